@@ -1,0 +1,43 @@
+// CPU registrations: validate, check index tensors (already on the host), run the kernel.
+#include <torch/library.h>
+
+#include "../op_params.h"
+#include "kernels.h"
+
+namespace fp8kv {
+namespace {
+
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                           const at::Tensor& v_scale) {
+  const CacheWriteParams p = cache_write_params(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+  check_slot_mapping_indices(slot_mapping, key_cache.size(0) * key_cache.size(1));
+  cpu::reshape_and_cache(p);
+}
+
+void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
+                         const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
+                         double logits_soft_cap) {
+  const PagedAttentionParams p = paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                        cu_seqlens_q, softmax_scale, k_scale, v_scale, sliding_window,
+                                                        logits_soft_cap);
+  check_paged_attention_indices(block_tables, seq_lens, cu_seqlens_q, query.size(0), key_cache.size(1),
+                                key_cache.size(0), sliding_window);
+  cpu::paged_attention(p);
+}
+
+void kv_amax_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_amax, at::Tensor& v_amax) {
+  cpu::kv_amax(amax_params(key, value, k_amax, v_amax));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fp8kv, CPU, m) {
+  m.impl("reshape_and_cache", &reshape_and_cache_cpu);
+  m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("kv_amax", &kv_amax_cpu);
+}
+
+}  // namespace fp8kv

@@ -1,0 +1,12 @@
+// CPU kernels. Each takes a validated operand description (kernel_params.h).
+#pragma once
+
+#include "../kernel_params.h"
+
+namespace fp8kv::cpu {
+
+void reshape_and_cache(const CacheWriteParams& p);
+void paged_attention(const PagedAttentionParams& p);
+void kv_amax(const AmaxParams& p);
+
+}  // namespace fp8kv::cpu

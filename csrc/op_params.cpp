@@ -1,0 +1,297 @@
+#include "op_params.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include <c10/util/Exception.h>
+
+namespace fp8kv {
+namespace {
+
+DType to_dtype(c10::ScalarType t) {
+  switch (t) {
+    case c10::ScalarType::Half: return DType::kFloat16;
+    case c10::ScalarType::BFloat16: return DType::kBFloat16;
+    case c10::ScalarType::Float: return DType::kFloat32;
+    case c10::ScalarType::Float8_e4m3fn: return DType::kFloat8E4M3FN;
+    case c10::ScalarType::Float8_e5m2: return DType::kFloat8E5M2;
+    case c10::ScalarType::Float8_e4m3fnuz: return DType::kFloat8E4M3FNUZ;
+    default: TORCH_CHECK(false, "fp8kv: unsupported dtype ", t);
+  }
+}
+
+bool is_fp8_cache_dtype(c10::ScalarType t) {
+  return t == c10::ScalarType::Float8_e4m3fn || t == c10::ScalarType::Float8_e5m2 ||
+         t == c10::ScalarType::Float8_e4m3fnuz;
+}
+
+void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank, const char* layout) {
+  TORCH_CHECK(t.dim() == rank, op, ": `", name, "` must have rank ", rank, " ", layout, ", got shape ", t.sizes());
+}
+
+void check_last_dim_contiguous(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, op, ": `", name,
+              "` must be contiguous in its last dimension, got strides ", t.strides());
+}
+
+void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& reference,
+                       const char* reference_name) {
+  TORCH_CHECK(t.device() == reference.device(), op, ": `", name, "` must be on ", reference.device(), " like `",
+              reference_name, "`, got ", t.device());
+}
+
+void check_index_tensor(const char* op, const char* name, const at::Tensor& t, c10::ScalarType dtype) {
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": `", name, "` must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1, op, ": `", name, "` must have rank 1, got shape ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": `", name, "` must be contiguous");
+}
+
+// Scales and amax: float32 of shape [1] (per tensor) or [num_kv_heads] (per KV head).
+HeadScalars head_scalars(const char* op, const char* name, const at::Tensor& t, int64_t num_kv_heads,
+                         const at::Tensor& device_reference, const char* reference_name) {
+  TORCH_CHECK(t.scalar_type() == c10::ScalarType::Float, op, ": `", name, "` must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1 && (t.size(0) == 1 || t.size(0) == num_kv_heads), op, ": `", name,
+              "` must have shape [1] (per tensor) or [num_kv_heads] = [", num_kv_heads, "] (per KV head), got ",
+              t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": `", name, "` must be contiguous");
+  check_same_device(op, name, t, device_reference, reference_name);
+  return HeadScalars{t.data_ptr<float>(), t.size(0) > 1};
+}
+
+// Checks a [num_blocks, block_size, num_kv_heads, head_size] cache and describes it.
+CacheView cache_view(const char* op, const char* name, const at::Tensor& cache) {
+  check_rank(op, name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]");
+  check_last_dim_contiguous(op, name, cache);
+  TORCH_CHECK(cache.size(0) > 0 && cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, op, ": `", name,
+              "` must have non-empty dimensions, got shape ", cache.sizes());
+  return CacheView{cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
+}
+
+void check_cache_pair(const char* op, const at::Tensor& key_cache, const at::Tensor& value_cache) {
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op, ": `value_cache` must have the shape of `key_cache` ",
+              key_cache.sizes(), ", got ", value_cache.sizes());
+  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), op,
+              ": `value_cache` must have the dtype of `key_cache` (", key_cache.scalar_type(), "), got ",
+              value_cache.scalar_type());
+  check_same_device(op, "value_cache", value_cache, key_cache, "key_cache");
+}
+
+// key and value: [num_tokens, num_kv_heads, head_size], same shape, dtype and device.
+void check_key_value(const char* op, const at::Tensor& key, const at::Tensor& value) {
+  check_rank(op, "key", key, 3, "[num_tokens, num_kv_heads, head_size]");
+  const auto t = key.scalar_type();
+  TORCH_CHECK(t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Float, op,
+              ": `key` must be float16, bfloat16 or float32, got ", t);
+  check_last_dim_contiguous(op, "key", key);
+  TORCH_CHECK(value.sizes() == key.sizes(), op, ": `value` must have the shape of `key` ", key.sizes(), ", got ",
+              value.sizes());
+  TORCH_CHECK(value.scalar_type() == t, op, ": `value` must have the dtype of `key` (", t, "), got ",
+              value.scalar_type());
+  check_last_dim_contiguous(op, "value", value);
+  check_same_device(op, "value", value, key, "key");
+}
+
+}  // namespace
+
+CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                                    const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                                    const at::Tensor& k_scale, const at::Tensor& v_scale) {
+  constexpr const char* op = "fp8kv.reshape_and_cache";
+  check_key_value(op, key, value);
+  CacheWriteParams p{};
+  p.key_cache = cache_view(op, "key_cache", key_cache);
+  p.value_cache = cache_view(op, "value_cache", value_cache);
+  check_cache_pair(op, key_cache, value_cache);
+  check_same_device(op, "key_cache", key_cache, key, "key");
+  const auto cache_type = key_cache.scalar_type();
+  TORCH_CHECK(is_fp8_cache_dtype(cache_type) || cache_type == key.scalar_type(), op,
+              ": `key_cache` must be float8_e4m3fn, float8_e5m2, float8_e4m3fnuz or the dtype of `key` (",
+              key.scalar_type(), "), got ", cache_type);
+  TORCH_CHECK(key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2), op,
+              ": `key_cache` [num_blocks, block_size, num_kv_heads, head_size] must match `key` [num_tokens, ",
+              "num_kv_heads, head_size] in num_kv_heads and head_size, got ", key_cache.sizes(), " and ", key.sizes());
+  check_index_tensor(op, "slot_mapping", slot_mapping, c10::ScalarType::Long);
+  TORCH_CHECK(slot_mapping.size(0) <= key.size(0), op, ": `slot_mapping` has ", slot_mapping.size(0),
+              " entries but `key` has only ", key.size(0), " tokens");
+  check_same_device(op, "slot_mapping", slot_mapping, key, "key");
+
+  p.key = key.data_ptr();
+  p.value = value.data_ptr();
+  p.src_dtype = to_dtype(key.scalar_type());
+  p.key_token_stride = key.stride(0);
+  p.key_head_stride = key.stride(1);
+  p.value_token_stride = value.stride(0);
+  p.value_head_stride = value.stride(1);
+  p.cache_dtype = to_dtype(cache_type);
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  p.num_slots = slot_mapping.size(0);
+  p.num_kv_heads = static_cast<int>(key.size(1));
+  p.head_size = static_cast<int>(key.size(2));
+  p.block_size = static_cast<int>(key_cache.size(1));
+  p.k_scale = head_scalars(op, "k_scale", k_scale, p.num_kv_heads, key, "key");
+  p.v_scale = head_scalars(op, "v_scale", v_scale, p.num_kv_heads, key, "key");
+  return p;
+}
+
+PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Tensor& query,
+                                            const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                            const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
+                                            const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                            int64_t sliding_window, double logits_soft_cap) {
+  constexpr const char* op = "fp8kv.paged_attention";
+  check_rank(op, "query", query, 3, "[num_query_tokens, num_heads, head_size]");
+  const auto query_type = query.scalar_type();
+  TORCH_CHECK(query_type == c10::ScalarType::Half || query_type == c10::ScalarType::BFloat16, op,
+              ": `query` must be float16 or bfloat16, got ", query_type);
+  check_last_dim_contiguous(op, "query", query);
+  TORCH_CHECK(out.sizes() == query.sizes(), op, ": `out` must have the shape of `query` ", query.sizes(), ", got ",
+              out.sizes());
+  TORCH_CHECK(out.scalar_type() == query_type, op, ": `out` must have the dtype of `query` (", query_type, "), got ",
+              out.scalar_type());
+  check_last_dim_contiguous(op, "out", out);
+  check_same_device(op, "out", out, query, "query");
+
+  PagedAttentionParams p{};
+  p.key_cache = cache_view(op, "key_cache", key_cache);
+  p.value_cache = cache_view(op, "value_cache", value_cache);
+  check_cache_pair(op, key_cache, value_cache);
+  check_same_device(op, "key_cache", key_cache, query, "query");
+  const auto cache_type = key_cache.scalar_type();
+  TORCH_CHECK(is_fp8_cache_dtype(cache_type) || cache_type == query_type, op,
+              ": `key_cache` must be float8_e4m3fn, float8_e5m2, float8_e4m3fnuz or the dtype of `query` (",
+              query_type, "), got ", cache_type);
+  TORCH_CHECK(key_cache.size(3) == query.size(2), op, ": `key_cache` head_size (dim 3) must equal `query` head_size ",
+              query.size(2), ", got ", key_cache.sizes());
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(query.size(1) % num_kv_heads == 0, op, ": `query` num_heads (", query.size(1),
+              ") must be a multiple of the cache's num_kv_heads (", num_kv_heads, ")");
+
+  check_rank(op, "block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]");
+  TORCH_CHECK(block_tables.scalar_type() == c10::ScalarType::Int, op, ": `block_tables` must be int32, got ",
+              block_tables.scalar_type());
+  check_last_dim_contiguous(op, "block_tables", block_tables);
+  check_same_device(op, "block_tables", block_tables, query, "query");
+  const int64_t num_seqs = block_tables.size(0);
+  check_index_tensor(op, "seq_lens", seq_lens, c10::ScalarType::Int);
+  TORCH_CHECK(seq_lens.size(0) == num_seqs, op, ": `seq_lens` must have num_seqs = ", num_seqs,
+              " entries (rows of `block_tables`), got ", seq_lens.size(0));
+  check_same_device(op, "seq_lens", seq_lens, query, "query");
+  if (cu_seqlens_q.has_value()) {
+    check_index_tensor(op, "cu_seqlens_q", *cu_seqlens_q, c10::ScalarType::Int);
+    TORCH_CHECK(cu_seqlens_q->size(0) == num_seqs + 1, op, ": `cu_seqlens_q` must have num_seqs + 1 = ",
+                num_seqs + 1, " entries, got ", cu_seqlens_q->size(0));
+    check_same_device(op, "cu_seqlens_q", *cu_seqlens_q, query, "query");
+  } else {
+    TORCH_CHECK(query.size(0) == num_seqs, op, ": without `cu_seqlens_q` (decode) `query` must have one row per ",
+                "sequence: ", num_seqs, " rows, got ", query.size(0));
+  }
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, op, ": `softmax_scale` must be finite and > 0, got ",
+              softmax_scale);
+  TORCH_CHECK(sliding_window == -1 || sliding_window > 0, op,
+              ": `sliding_window` must be -1 (none) or a positive number of tokens, got ", sliding_window);
+  TORCH_CHECK(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0, op,
+              ": `logits_soft_cap` must be 0 (none) or a finite positive cap, got ", logits_soft_cap);
+  TORCH_CHECK(key_cache.size(0) <= INT32_MAX && query.size(1) <= INT32_MAX && key_cache.size(1) <= INT32_MAX, op,
+              ": sizes beyond int32 are not supported");
+
+  p.out = out.data_ptr();
+  p.out_token_stride = out.stride(0);
+  p.out_head_stride = out.stride(1);
+  p.query = query.data_ptr();
+  p.query_token_stride = query.stride(0);
+  p.query_head_stride = query.stride(1);
+  p.query_dtype = to_dtype(query_type);
+  p.cache_dtype = to_dtype(cache_type);
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.block_table_stride = block_tables.stride(0);
+  p.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.cu_seqlens_q = cu_seqlens_q.has_value() ? cu_seqlens_q->data_ptr<int32_t>() : nullptr;
+  p.num_seqs = static_cast<int>(num_seqs);
+  p.num_query_tokens = query.size(0);
+  p.num_heads = static_cast<int>(query.size(1));
+  p.num_kv_heads = static_cast<int>(num_kv_heads);
+  p.head_size = static_cast<int>(query.size(2));
+  p.block_size = static_cast<int>(key_cache.size(1));
+  p.num_blocks = static_cast<int>(key_cache.size(0));
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.k_scale = head_scalars(op, "k_scale", k_scale, num_kv_heads, query, "query");
+  p.v_scale = head_scalars(op, "v_scale", v_scale, num_kv_heads, query, "query");
+  p.sliding_window = static_cast<int>(sliding_window);
+  p.logits_soft_cap = static_cast<float>(logits_soft_cap);
+  return p;
+}
+
+AmaxParams amax_params(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_amax,
+                       const at::Tensor& v_amax) {
+  constexpr const char* op = "fp8kv.kv_amax";
+  check_key_value(op, key, value);
+  AmaxParams p{};
+  p.key = key.data_ptr();
+  p.value = value.data_ptr();
+  p.src_dtype = to_dtype(key.scalar_type());
+  p.key_token_stride = key.stride(0);
+  p.key_head_stride = key.stride(1);
+  p.value_token_stride = value.stride(0);
+  p.value_head_stride = value.stride(1);
+  p.num_tokens = key.size(0);
+  p.num_kv_heads = static_cast<int>(key.size(1));
+  p.head_size = static_cast<int>(key.size(2));
+  p.k_amax = head_scalars(op, "k_amax", k_amax, p.num_kv_heads, key, "key");
+  p.v_amax = head_scalars(op, "v_amax", v_amax, p.num_kv_heads, key, "key");
+  return p;
+}
+
+void check_slot_mapping_indices(const at::Tensor& slot_mapping, int64_t num_slots_in_cache) {
+  TORCH_INTERNAL_ASSERT(slot_mapping.device().is_cpu());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slot_mapping.size(0); ++i) {
+    TORCH_CHECK(slots[i] < num_slots_in_cache, "fp8kv.reshape_and_cache: `slot_mapping`[", i, "] = ", slots[i],
+                " is outside the cache, which has num_blocks * block_size = ", num_slots_in_cache, " slots");
+  }
+}
+
+void check_paged_attention_indices(const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                   const std::optional<at::Tensor>& cu_seqlens_q, int64_t num_query_tokens,
+                                   int64_t block_size, int64_t num_blocks, int64_t sliding_window) {
+  constexpr const char* op = "fp8kv.paged_attention";
+  TORCH_INTERNAL_ASSERT(block_tables.device().is_cpu() && seq_lens.device().is_cpu());
+  const int64_t num_seqs = block_tables.size(0);
+  const int64_t capacity = block_tables.size(1) * block_size;
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* cu = cu_seqlens_q.has_value() ? cu_seqlens_q->data_ptr<int32_t>() : nullptr;
+  if (cu != nullptr) {
+    TORCH_CHECK(cu[0] == 0, op, ": `cu_seqlens_q`[0] must be 0, got ", cu[0]);
+    TORCH_CHECK(cu[num_seqs] == num_query_tokens, op, ": `cu_seqlens_q`[-1] must equal the number of query rows ",
+                num_query_tokens, ", got ", cu[num_seqs]);
+  }
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t seq_len = lens[s];
+    const int64_t q_len = cu != nullptr ? cu[s + 1] - cu[s] : 1;
+    TORCH_CHECK(q_len >= 0, op, ": `cu_seqlens_q` must be non-decreasing, got cu_seqlens_q[", s, "] = ", cu[s],
+                " > cu_seqlens_q[", s + 1, "] = ", cu[s + 1]);
+    TORCH_CHECK(seq_len >= 0 && seq_len <= capacity, op, ": `seq_lens`[", s, "] = ", seq_len,
+                " must be in [0, max_blocks_per_seq * block_size = ", capacity, "]");
+    // A decode row with seq_len 0 is padding (output 0); a query row must otherwise see its own token.
+    TORCH_CHECK(seq_len >= q_len || (cu == nullptr && seq_len == 0), op, ": sequence ", s, " has ", q_len,
+                " query rows but `seq_lens`[", s, "] = ", seq_len, " cached tokens; the queried tokens must be cached");
+    if (seq_len == 0) continue;
+    int64_t first_position = 0;
+    if (sliding_window > 0) first_position = std::max<int64_t>(0, seq_len - q_len - sliding_window + 1);
+    const int32_t* row = block_tables.data_ptr<int32_t>() + s * block_tables.stride(0);
+    for (int64_t b = first_position / block_size; b <= (seq_len - 1) / block_size; ++b) {
+      TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, op, ": `block_tables`[", s, ", ", b, "] = ", row[b],
+                  " must be a block id in [0, num_blocks = ", num_blocks, ")");
+    }
+  }
+}
+
+bool debug_checks_enabled() {
+  const char* value = std::getenv("FP8KV_DEBUG_CHECKS");
+  return value != nullptr && std::string(value) != "0" && value[0] != '\0';
+}
+
+}  // namespace fp8kv

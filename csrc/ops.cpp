@@ -1,0 +1,14 @@
+// The op schemas: the one place where fp8kv's operators are declared. Backends register kernels
+// for them with TORCH_LIBRARY_IMPL; fake (meta) kernels live in python/fp8kv/_ops.py.
+#include <torch/library.h>
+
+TORCH_LIBRARY(fp8kv, m) {
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping, Tensor k_scale, Tensor v_scale) -> ()");
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor? cu_seqlens_q, float softmax_scale, "
+      "Tensor k_scale, Tensor v_scale, int sliding_window=-1, float logits_soft_cap=0.0) -> ()");
+  m.def("kv_amax(Tensor key, Tensor value, Tensor(a!) k_amax, Tensor(b!) v_amax) -> ()");
+}

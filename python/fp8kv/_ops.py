@@ -1,0 +1,42 @@
+"""Loads fp8kv's compiled operators and registers their fake (meta) kernels.
+
+The ops mutate preallocated outputs and return nothing, so each fake kernel only has to exist:
+shapes of the outputs are the caller's. Validation lives in the C++ bindings, in one place.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+_LIBRARY = pathlib.Path(__file__).with_name("libfp8kv_ops.so")
+if not _LIBRARY.exists():
+    raise ImportError(
+        f"fp8kv: compiled library {_LIBRARY} is missing; install the package with "
+        "`pip install --no-build-isolation .` from the source tree"
+    )
+torch.ops.load_library(str(_LIBRARY))
+
+
+@torch.library.register_fake("fp8kv::reshape_and_cache")
+def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+    return None
+
+
+@torch.library.register_fake("fp8kv::paged_attention")
+def _paged_attention_fake(
+    out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
+    k_scale, v_scale, sliding_window=-1, logits_soft_cap=0.0,
+) -> None:
+    return None
+
+
+@torch.library.register_fake("fp8kv::kv_amax")
+def _kv_amax_fake(key, value, k_amax, v_amax) -> None:
+    return None
+
+
+def has_cuda_kernels() -> bool:
+    """True when the library was built with its CUDA kernels."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("fp8kv::paged_attention", "CUDA")

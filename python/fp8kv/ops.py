@@ -1,0 +1,78 @@
+"""Typed wrappers over fp8kv's operators (`torch.ops.fp8kv.*`).
+
+Every op writes into tensors the caller allocated, runs on the current stream, never synchronizes
+with the host and can be captured in a CUDA graph. The tensor layouts are those of
+docs/ops.md; bad input raises RuntimeError naming the argument.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _ops  # noqa: F401  (loads the library)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """Quantizes `key`/`value` rows and writes them to their cache slots.
+
+    key, value: [num_tokens, num_kv_heads, head_size], fp16/bf16/fp32, last dim contiguous.
+    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], any strides but a
+        contiguous last dim; their dtype is the cache format (an FP8 dtype, or key's dtype for an
+        unquantized cache, which stores the values bit for bit and ignores the scales).
+    slot_mapping: int64 [n], n <= num_tokens; token i goes to slot block * block_size + offset;
+        a negative slot skips the token.
+    k_scale, v_scale: float32 [1] or [num_kv_heads] dequantization scales: stores
+        saturate_rne(x / scale).
+    """
+    torch.ops.fp8kv.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+
+def paged_attention(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    softmax_scale: float,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    sliding_window: int = -1,
+    logits_soft_cap: float = 0.0,
+) -> None:
+    """Attention of `query` over the paged cache, written into `out`.
+
+    query, out: [num_query_tokens, num_heads, head_size], fp16/bf16; num_heads a multiple of the
+        cache's num_kv_heads (MHA, GQA, MQA).
+    block_tables: int32 [num_seqs, max_blocks_per_seq]; seq_lens: int32 [num_seqs], cached tokens of
+        each sequence including the queried ones.
+    cu_seqlens_q: None for decode (one query row per sequence), else int32 [num_seqs + 1]: sequence
+        i owns rows cu_seqlens_q[i]:cu_seqlens_q[i + 1], its last tokens, attending causally.
+    softmax_scale: multiplies q.k (usually head_size ** -0.5).
+    k_scale, v_scale: float32 [1] or [num_kv_heads], read on the device.
+    sliding_window: -1, or w > 0: a query at position p sees positions > p - w.
+    logits_soft_cap: 0, or c > 0: logits become c * tanh(logits / c).
+    A decode row whose sequence has seq_len 0 (batch padding) gets zeros.
+    """
+    torch.ops.fp8kv.paged_attention(
+        out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
+        k_scale, v_scale, sliding_window, logits_soft_cap,
+    )
+
+
+def kv_amax(key: torch.Tensor, value: torch.Tensor, k_amax: torch.Tensor, v_amax: torch.Tensor) -> None:
+    """Folds max(|key|) and max(|value|) into the running maxima `k_amax`, `v_amax` in place.
+
+    The granularity follows the maxima's shape: float32 [1] per tensor or [num_kv_heads] per head.
+    A NaN in the input makes the maximum NaN.
+    """
+    torch.ops.fp8kv.kv_amax(key, value, k_amax, v_amax)
