@@ -10,13 +10,25 @@ import pathlib
 
 import torch
 
-_LIBRARY = pathlib.Path(__file__).with_name("libfp8kv_ops.so")
-if not _LIBRARY.exists():
+from . import __path__ as _package_dirs
+
+_LIBRARY_NAME = "libfp8kv_ops.so"
+
+
+def _find_library() -> pathlib.Path:
+    # The package may span several directories (an editable install keeps the sources apart from
+    # the built library).
+    for directory in _package_dirs:
+        candidate = pathlib.Path(directory) / _LIBRARY_NAME
+        if candidate.exists():
+            return candidate
     raise ImportError(
-        f"fp8kv: compiled library {_LIBRARY} is missing; install the package with "
-        "`pip install --no-build-isolation .` from the source tree"
+        f"fp8kv: compiled library {_LIBRARY_NAME} not found in {list(_package_dirs)}; install the "
+        "package with `pip install --no-build-isolation .` from the source tree"
     )
-torch.ops.load_library(str(_LIBRARY))
+
+
+torch.ops.load_library(str(_find_library()))
 
 
 @torch.library.register_fake("fp8kv::reshape_and_cache")
