@@ -1,0 +1,189 @@
+"""KV cache formats and the object that carries a format together with its scales.
+
+`KVCacheDtype` names the storage format of the cache; `KVCacheConfig` pairs it with the per-layer
+K/V dequantization scales (stored `q = satfinite_rne(x / s)`, read `x ~ q * s`). Everything that
+builds or reads a cache takes one `KVCacheConfig`, never a format and scales separately.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def platform_uses_fnuz() -> bool:
+    """True on AMD MI300-class GPUs (gfx94x), whose FP8 hardware format is e4m3fnuz.
+
+    This decides what the platform-dependent names `fp8` and `fp8_e4m3` mean (as in vLLM): e4m3fnuz
+    on a ROCm build of torch running on a gfx94x device, e4m3fn everywhere else (CUDA, CPU, and AMD
+    parts with OCP FP8 such as gfx950).
+    """
+    if torch.version.hip is None or not torch.cuda.is_available():
+        return False
+    arch = torch.cuda.get_device_properties(torch.cuda.current_device()).gcnArchName
+    return arch.startswith("gfx94")
+
+
+class KVCacheDtype(enum.Enum):
+    """Storage format of the KV cache.
+
+    UNQUANTIZED ("auto") stores K/V in the model's dtype, bit for bit, and ignores scales. The FP8
+    formats store one byte per element; see `max_finite` for their ranges.
+    """
+
+    UNQUANTIZED = "auto"
+    E4M3FN = "float8_e4m3fn"
+    E5M2 = "float8_e5m2"
+    E4M3FNUZ = "float8_e4m3fnuz"
+
+    @classmethod
+    def parse(cls, value: KVCacheDtype | str | torch.dtype) -> KVCacheDtype:
+        """The format named by `value`: a KVCacheDtype, an FP8 torch dtype, or a string from vLLM,
+        SGLang or TGI (`auto`, `fp8`, `fp8_e4m3`, `fp8_e5m2`, `float8_e4m3fn`, ...).
+
+        `fp8` and `fp8_e4m3` are platform-dependent (see `platform_uses_fnuz`): e4m3fnuz on MI300,
+        e4m3fn elsewhere. The other names are not.
+        """
+        if isinstance(value, KVCacheDtype):
+            return value
+        if isinstance(value, torch.dtype):
+            for member in (cls.E4M3FN, cls.E5M2, cls.E4M3FNUZ):
+                if member.storage_dtype == value:
+                    return member
+            raise ValueError(
+                f"kv cache dtype {value} is not an FP8 dtype; use 'auto' for a cache in the model's dtype, "
+                f"or one of {', '.join(_VALID_NAMES)}"
+            )
+        if not isinstance(value, str):
+            raise TypeError(f"kv cache dtype must be a KVCacheDtype, str or torch.dtype, got {type(value).__name__}")
+        name = value.strip().lower()
+        if name in _PLATFORM_E4M3_NAMES:
+            return cls.E4M3FNUZ if platform_uses_fnuz() else cls.E4M3FN
+        if name not in _FIXED_NAMES:
+            raise ValueError(f"unknown kv cache dtype {value!r}; valid: {', '.join(repr(n) for n in _VALID_NAMES)}")
+        return _FIXED_NAMES[name]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self is not KVCacheDtype.UNQUANTIZED
+
+    @property
+    def is_e4m3(self) -> bool:
+        """E4M3 formats have a narrow range (448 or 240) and need calibrated scales."""
+        return self in (KVCacheDtype.E4M3FN, KVCacheDtype.E4M3FNUZ)
+
+    @property
+    def storage_dtype(self) -> torch.dtype | None:
+        """The torch dtype of an FP8 cache; None for UNQUANTIZED, which follows the model."""
+        return _STORAGE_DTYPES.get(self)
+
+    def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the cache tensors are allocated with for a model computing in `model_dtype`."""
+        return model_dtype if self is KVCacheDtype.UNQUANTIZED else _STORAGE_DTYPES[self]
+
+    @property
+    def max_finite(self) -> float:
+        """Largest finite value of the FP8 format (448, 57344, 240); stored values saturate there."""
+        if self is KVCacheDtype.UNQUANTIZED:
+            raise ValueError("an unquantized ('auto') cache has no FP8 range")
+        return float(torch.finfo(_STORAGE_DTYPES[self]).max)
+
+    def scale_factor_from(self, calibrated_for: KVCacheDtype) -> float:
+        """Factor turning scales calibrated for `calibrated_for` into scales for this format.
+
+        The same e4m3 bits decode in e4m3fnuz to half their e4m3fn value, so doubling an e4m3fn
+        scale for an e4m3fnuz cache stores exactly the bits an e4m3fn cache would hold (and halving
+        goes back; the top e4m3fnuz code, 240, has no e4m3fn counterpart and saturates to 224 * s).
+        E5M2 uses scales as given: any positive scale keeps its relative precision, and a scale
+        calibrated for e4m3 keeps values within +-448, far inside e5m2's range.
+        """
+        if not (calibrated_for.is_e4m3 and self.is_fp8):
+            raise ValueError(f"scales calibrated for {calibrated_for.value} cannot be converted to {self.value}")
+        if calibrated_for is KVCacheDtype.E4M3FN and self is KVCacheDtype.E4M3FNUZ:
+            return 2.0
+        if calibrated_for is KVCacheDtype.E4M3FNUZ and self is KVCacheDtype.E4M3FN:
+            return 0.5
+        return 1.0
+
+
+_STORAGE_DTYPES = {
+    KVCacheDtype.E4M3FN: torch.float8_e4m3fn,
+    KVCacheDtype.E5M2: torch.float8_e5m2,
+    KVCacheDtype.E4M3FNUZ: torch.float8_e4m3fnuz,
+}
+_PLATFORM_E4M3_NAMES = ("fp8", "fp8_e4m3")
+_FIXED_NAMES = {
+    "auto": KVCacheDtype.UNQUANTIZED,
+    "float8_e4m3fn": KVCacheDtype.E4M3FN,
+    "fp8_e4m3fn": KVCacheDtype.E4M3FN,
+    "fp8_e5m2": KVCacheDtype.E5M2,
+    "float8_e5m2": KVCacheDtype.E5M2,
+    "float8_e4m3fnuz": KVCacheDtype.E4M3FNUZ,
+    "fp8_e4m3fnuz": KVCacheDtype.E4M3FNUZ,
+}
+_VALID_NAMES = (*_PLATFORM_E4M3_NAMES, *_FIXED_NAMES)
+
+
+def _float32_scales(name: str, layers) -> tuple[tuple[float, ...], ...]:
+    """Per-layer scales as tuples of float32-exact Python floats, checked finite and positive."""
+    result = []
+    for layer, scales in enumerate(layers):
+        values = torch.as_tensor(scales, dtype=torch.float32).reshape(-1).tolist()
+        if not values:
+            raise ValueError(f"KVCacheConfig: {name}[{layer}] is empty; expected 1 or num_kv_heads scales")
+        for head, s in enumerate(values):
+            if not (math.isfinite(s) and s > 0):
+                raise ValueError(f"KVCacheConfig: {name}[{layer}][{head}] = {s} must be finite and > 0")
+        result.append(tuple(values))
+    return tuple(result)
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """A cache format with its per-layer K/V dequantization scales. Immutable.
+
+    k_scales[layer] / v_scales[layer]: one float (per tensor) or num_kv_heads floats (per KV head of
+    this tensor-parallel rank), exactly representable in float32. An unquantized cache carries
+    scales of 1.0 that the ops ignore.
+    source: where the scales came from, for reports.
+    """
+
+    dtype: KVCacheDtype
+    k_scales: tuple[tuple[float, ...], ...]
+    v_scales: tuple[tuple[float, ...], ...]
+    source: str = "given"
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", KVCacheDtype.parse(self.dtype))
+        object.__setattr__(self, "k_scales", _float32_scales("k_scales", self.k_scales))
+        object.__setattr__(self, "v_scales", _float32_scales("v_scales", self.v_scales))
+        if len(self.k_scales) != len(self.v_scales):
+            raise ValueError(
+                f"KVCacheConfig: k_scales has {len(self.k_scales)} layers but v_scales has {len(self.v_scales)}"
+            )
+        if not self.k_scales:
+            raise ValueError("KVCacheConfig: needs scales for at least one layer")
+
+    @classmethod
+    def unit_scales(cls, dtype: KVCacheDtype | str, num_layers: int, source: str = "unit scales") -> KVCacheConfig:
+        """Scale 1.0 for every layer: right for unquantized and e5m2 caches, a fallback for e4m3."""
+        ones = ((1.0,),) * num_layers
+        return cls(KVCacheDtype.parse(dtype), ones, ones, source)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_scales)
+
+    def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return self.dtype.torch_dtype(model_dtype)
+
+    def k_scale(self, layer: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """A new float32 tensor [1] or [num_kv_heads] holding layer `layer`'s key scales."""
+        return torch.tensor(self.k_scales[layer], dtype=torch.float32, device=device)
+
+    def v_scale(self, layer: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """A new float32 tensor [1] or [num_kv_heads] holding layer `layer`'s value scales."""
+        return torch.tensor(self.v_scales[layer], dtype=torch.float32, device=device)

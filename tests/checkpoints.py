@@ -1,0 +1,114 @@
+"""Builders of synthetic checkpoint directories for the scale-loading tests.
+
+A checkpoint is config.json plus safetensors files (one file, or shards with an index) holding a
+few small weights and the scale tensors under test, and optionally hf_quant_config.json and a
+legacy kv_cache_scales.json.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import torch
+from safetensors.torch import save_file
+
+ATTENTION = "model.layers.{}.self_attn"
+
+
+def llama_config(num_layers: int = 2, num_kv_heads: int = 4, **extra) -> dict:
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": 64,
+        "num_attention_heads": 8,
+        "num_key_value_heads": num_kv_heads,
+        "num_hidden_layers": num_layers,
+    }
+    config.update(extra)
+    return config
+
+
+def weights(num_layers: int) -> dict[str, torch.Tensor]:
+    """Ordinary (non-scale) tensors, so the scales sit among real-looking weights."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": torch.randn(16, 8, generator=generator)}
+    for layer in range(num_layers):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            tensors[f"{ATTENTION.format(layer)}.{proj}.weight"] = torch.randn(8, 8, generator=generator)
+    return tensors
+
+
+def scale_tensor(values, shape: str = "auto", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A scale tensor holding `values` (a float or a list per head) in one of the stored shapes:
+    'scalar' [], 'one' [1], 'heads' [H], 'heads11' [H, 1, 1]; 'auto' is [] or [H]."""
+    t = torch.tensor(values, dtype=torch.float64).to(dtype)
+    if shape == "auto":
+        return t
+    return {"scalar": lambda: t.reshape(()), "one": lambda: t.reshape(1), "heads": lambda: t.reshape(-1),
+            "heads11": lambda: t.reshape(-1, 1, 1)}[shape]()
+
+
+def scale_tensors(k, v, *, form: str = "k_scale", shape: str = "auto", dtype=torch.float32,
+                  layers=None) -> dict[str, torch.Tensor]:
+    """Per-layer scale tensors named as `form` writes them: 'k_scale' (vLLM / llm-compressor),
+    'modelopt' (k_proj.k_scale), 'kv_scale' (legacy: k only). k[i], v[i]: layer i's values."""
+    tensors = {}
+    for layer in (range(len(k)) if layers is None else layers):
+        p = ATTENTION.format(layer)
+        if form == "k_scale":
+            tensors[f"{p}.k_scale"] = scale_tensor(k[layer], shape, dtype)
+            tensors[f"{p}.v_scale"] = scale_tensor(v[layer], shape, dtype)
+        elif form == "modelopt":
+            tensors[f"{p}.k_proj.k_scale"] = scale_tensor(k[layer], shape, dtype)
+            tensors[f"{p}.v_proj.v_scale"] = scale_tensor(v[layer], shape, dtype)
+        elif form == "kv_scale":
+            tensors[f"{p}.kv_scale"] = scale_tensor(k[layer], shape, dtype)
+        else:
+            raise ValueError(form)
+    return tensors
+
+
+def write_checkpoint(directory, *, config: dict | None = None, tensors: dict | None = None, shards: int = 1,
+                     index: bool | None = None, legacy_json: dict | None = None, hf_quant_config: dict | None = None,
+                     num_layers: int = 2, num_kv_heads: int = 4) -> pathlib.Path:
+    """Writes a checkpoint into `directory` and returns its path.
+
+    tensors: the scale tensors (plus ordinary weights added here). shards > 1 spreads all tensors
+    round-robin over that many files; index (default: shards > 1) writes model.safetensors.index.json.
+    """
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = llama_config(num_layers, num_kv_heads) if config is None else config
+    (directory / "config.json").write_text(json.dumps(config))
+    everything = {**weights(num_layers), **(tensors or {})}
+    names = sorted(everything)
+    if shards == 1:
+        files = {"model.safetensors": names}
+    else:
+        files = {f"model-{i + 1:05d}-of-{shards:05d}.safetensors": names[i::shards] for i in range(shards)}
+    for file, file_names in files.items():
+        save_file({n: everything[n].contiguous() for n in file_names}, str(directory / file))
+    if index if index is not None else shards > 1:
+        weight_map = {n: file for file, file_names in files.items() for n in file_names}
+        (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if legacy_json is not None:
+        (directory / "kv_cache_scales.json").write_text(json.dumps(legacy_json))
+    if hf_quant_config is not None:
+        (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant_config))
+    return directory
+
+
+def legacy_json(scaling_factor: dict, dtype: str = "float8_e4m3fn", model_type: str | None = "llama") -> dict:
+    """{"model_type", "kv_cache": {"dtype", "scaling_factor": {rank: {layer: s}}}} with string keys."""
+    data = {"kv_cache": {"dtype": dtype, "scaling_factor": {
+        str(rank): {str(layer): s for layer, s in layers.items()} for rank, layers in scaling_factor.items()}}}
+    if model_type is not None:
+        data["model_type"] = model_type
+    return data
+
+
+def compressed_tensors_config(strategy: str = "tensor", **scheme_overrides) -> dict:
+    scheme = {"num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False, "symmetric": True}
+    scheme.update(scheme_overrides)
+    return {"quant_method": "compressed-tensors", "kv_cache_scheme": scheme}
