@@ -1,0 +1,161 @@
+"""`PagedAttention`: the attention layer over a paged FP8 KV cache.
+
+The module owns its layer's dequantization scales as float32 buffers `k_scale` / `v_scale` of
+shape [num_kv_heads] (a per-tensor scale is broadcast to every head). They are set once, at
+construction from a `KVCacheConfig` or when a checkpoint's state dict is loaded, and never change
+in forward.
+
+State dict names: registered under a checkpoint's attention module P (e.g. as
+`model.layers.0.self_attn.attn`), the module's own keys are `P.attn.k_scale` / `P.attn.v_scale`
+(and legacy `P.attn.kv_scale`). `map_checkpoint_scale_names(model)` makes the names checkpoints
+actually use land there: `P.k_scale` / `P.v_scale` (vLLM, llm-compressor), `P.kv_scale` (legacy),
+`P.k_proj.k_scale` / `P.v_proj.v_scale` (ModelOpt).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import ops
+from .cache import BatchMetadata, PagedKVCache
+from .checkpoint import CheckpointError, Problem, scale_values, shard_kv_heads
+from .formats import KVCacheConfig, KVCacheDtype
+
+
+class PagedAttention(nn.Module):
+    """Writes a step's new K/V into the paged cache and attends over it.
+
+    num_heads, num_kv_heads: this tensor-parallel rank's query and KV heads.
+    kv_cache: a KVCacheConfig (scales from its layer `layer_idx`) or a format alone (scales 1.0
+        until a checkpoint's state dict is loaded).
+    layer_idx: which layer of the PagedKVCache this module reads and writes.
+    scales_calibrated_for: the format the checkpoint's scales were calibrated for (state dict
+        loading converts them, e.g. x2 for an e4m3fnuz cache); tp_rank, tp_size: how the
+        checkpoint's per-head scales are sliced (KV heads split evenly, or replicated when fewer
+        than ranks).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        kv_cache: KVCacheConfig | KVCacheDtype | str,
+        layer_idx: int,
+        *,
+        softmax_scale: float | None = None,
+        sliding_window: int = -1,
+        logits_soft_cap: float = 0.0,
+        scales_calibrated_for: KVCacheDtype | str = KVCacheDtype.E4M3FN,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.layer_idx = layer_idx
+        self.softmax_scale = head_size**-0.5 if softmax_scale is None else softmax_scale
+        self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
+        self.scales_calibrated_for = KVCacheDtype.parse(scales_calibrated_for)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        if isinstance(kv_cache, KVCacheConfig):
+            self.kv_cache_dtype = kv_cache.dtype
+            k_scale, v_scale = kv_cache.k_scales[layer_idx], kv_cache.v_scales[layer_idx]
+        else:
+            self.kv_cache_dtype = KVCacheDtype.parse(kv_cache)
+            k_scale = v_scale = (1.0,)
+        self.register_buffer("k_scale", self._per_head("k_scale", k_scale))
+        self.register_buffer("v_scale", self._per_head("v_scale", v_scale))
+        self.register_load_state_dict_pre_hook(self._load_checkpoint_scales)
+
+    def _per_head(self, name: str, values: tuple[float, ...]) -> torch.Tensor:
+        if len(values) not in (1, self.num_kv_heads):
+            raise ValueError(f"{name} has {len(values)} values; expected 1 or num_kv_heads={self.num_kv_heads}")
+        return torch.tensor(values, dtype=torch.float32).expand(self.num_kv_heads).clone()
+
+    def _checkpoint_heads(self, tensor: torch.Tensor) -> int:
+        """Width of a per-head checkpoint scale: num_kv_heads * tp_size, except that with one local
+        KV head on several ranks (heads replicated) any head count dividing tp_size fits."""
+        if self.num_kv_heads == 1 and self.tp_size > 1 and tensor.numel() > 1 and self.tp_size % tensor.numel() == 0:
+            return tensor.numel()
+        return self.num_kv_heads * self.tp_size
+
+    @staticmethod
+    def _load_checkpoint_scales(module, state_dict, prefix, *args) -> None:
+        """Turns the checkpoint's scale tensors at this prefix into this rank's [num_kv_heads] buffers."""
+        legacy = state_dict.pop(prefix + "kv_scale", None)
+        if legacy is not None:
+            for name in ("k_scale", "v_scale"):
+                if prefix + name in state_dict:
+                    raise CheckpointError([Problem("state_dict", prefix + "kv_scale",
+                                                   f"conflicts with {prefix + name}: give one or the other")])
+                state_dict[prefix + name] = legacy
+        for name in ("k_scale", "v_scale"):
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = module._convert(prefix + name, state_dict[prefix + name])
+
+    def _convert(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        values, error = scale_values(tensor, self._checkpoint_heads(tensor))
+        if error:
+            raise CheckpointError([Problem("state_dict", key, error)])
+        values = shard_kv_heads(values, self.tp_rank, self.tp_size)
+        if self.kv_cache_dtype.is_fp8:
+            factor = self.kv_cache_dtype.scale_factor_from(self.scales_calibrated_for)
+            values = tuple(v * factor for v in values)
+        return self._per_head(key, values).to(self.k_scale.device)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache: PagedKVCache,
+                batch: BatchMetadata) -> torch.Tensor:
+        """query [num_tokens, num_heads, head_size], key/value [num_tokens, num_kv_heads, head_size]:
+        the batch's new tokens, sequences in order. Returns [num_tokens, num_heads, head_size]."""
+        if cache.kv_cache_dtype is not self.kv_cache_dtype:
+            raise ValueError(f"PagedAttention layer {self.layer_idx} is {self.kv_cache_dtype.value} but the cache is "
+                             f"{cache.kv_cache_dtype.value}")
+        key_cache, value_cache = cache.layer(self.layer_idx)
+        ops.reshape_and_cache(key, value, key_cache, value_cache, batch.slot_mapping, self.k_scale, self.v_scale)
+        out = torch.empty_like(query)
+        ops.paged_attention(out, query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
+                            batch.cu_seqlens_q, self.softmax_scale, self.k_scale, self.v_scale,
+                            self.sliding_window, self.logits_soft_cap)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_size={self.head_size}, kv_cache={self.kv_cache_dtype.value}")
+
+
+# Checkpoint names one level up (at the attention module P), relative to P: target buffer name.
+_PARENT_NAMES = (
+    ("k_scale", "k_scale"),
+    ("v_scale", "v_scale"),
+    ("kv_scale", "kv_scale"),
+    ("k_proj.k_scale", "k_scale"),
+    ("v_proj.v_scale", "v_scale"),
+)
+
+
+def map_checkpoint_scale_names(model: nn.Module) -> nn.Module:
+    """Lets `model.load_state_dict(checkpoint)` fill every PagedAttention from the names
+    checkpoints use at its parent module P: P.k_scale, P.v_scale, P.kv_scale, P.k_proj.k_scale,
+    P.v_proj.v_scale. Two names for the same buffer are an error. Returns `model`."""
+    for parent in model.modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, PagedAttention):
+                parent.register_load_state_dict_pre_hook(_parent_renamer(child_name))
+    return model
+
+
+def _parent_renamer(child_name: str):
+    def rename(module, state_dict, prefix, *args) -> None:
+        for source, target in _PARENT_NAMES:
+            tensor = state_dict.pop(prefix + source, None)
+            if tensor is None:
+                continue
+            destination = f"{prefix}{child_name}.{target}"
+            if destination in state_dict:
+                raise CheckpointError([Problem("state_dict", prefix + source,
+                                               f"conflicts with another scale for {destination}")])
+            state_dict[destination] = tensor
+    return rename

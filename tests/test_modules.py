@@ -1,0 +1,361 @@
+"""PagedKVCache, its block allocator, and PagedAttention (writes, attention, state dict loading)
+against float64 references built in the test."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fp8kv.attention import PagedAttention, map_checkpoint_scale_names
+from fp8kv.cache import BlockAllocator, CacheFullError, PagedKVCache, bytes_per_token, capacity_report
+from fp8kv.checkpoint import CheckpointError
+from fp8kv.formats import KVCacheConfig, KVCacheDtype
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
+FORMATS = list(KVCacheDtype)
+
+
+# ----------------------------------------------------------------------------- allocator
+
+
+def test_allocator_hands_out_slots_block_by_block():
+    allocator = BlockAllocator(num_blocks=4, block_size=4)
+    allocator.add("a")
+    allocator.add("b")
+    assert allocator.extend(["a", "b"], [5, 2]) == [[0, 1, 2, 3, 4], [8, 9]]
+    assert allocator.extend(["a", "b"], [1, 3]) == [[5], [10, 11, 12]]
+    assert allocator.blocks("a") == [0, 1] and allocator.blocks("b") == [2, 3]
+    assert allocator.length("a") == 6 and allocator.length("b") == 5
+    assert allocator.num_free_blocks == 0
+
+
+def test_allocator_slots_follow_the_block_table():
+    allocator = BlockAllocator(num_blocks=6, block_size=3)
+    allocator.add(0)
+    allocator.add(1)
+    slots = {0: [], 1: []}
+    for counts in ([2, 4], [3, 1], [1, 1], [0, 2]):
+        for seq, new in zip((0, 1), allocator.extend([0, 1], counts)):
+            slots[seq] += new
+    for seq in (0, 1):
+        table = allocator.blocks(seq)
+        # Reference: position p lives in block table[p // 3] at offset p % 3.
+        assert slots[seq] == [table[p // 3] * 3 + p % 3 for p in range(allocator.length(seq))]
+    assert sorted(allocator.blocks(0) + allocator.blocks(1)) == list(range(len(allocator.blocks(0) + allocator.blocks(1))))
+
+
+def test_allocator_is_all_or_nothing_when_full():
+    allocator = BlockAllocator(num_blocks=3, block_size=2)
+    allocator.add("a")
+    allocator.add("b")
+    allocator.extend(["a"], [3])
+    with pytest.raises(CacheFullError, match="needs 2 more blocks of 2 tokens but only 1 of 3 are free"):
+        allocator.extend(["a", "b"], [1, 3])
+    assert allocator.length("a") == 3 and allocator.length("b") == 0 and allocator.num_free_blocks == 1
+    allocator.free("a")
+    assert allocator.num_free_blocks == 3
+    assert allocator.extend(["b"], [6]) == [[4, 5, 0, 1, 2, 3]]  # freed blocks are reused after the unused one
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda a: a.extend(["x"], [1]), KeyError, "unknown sequence 'x'"),
+    (lambda a: a.add("a"), ValueError, "already exists"),
+    (lambda a: a.extend(["a"], [-1]), ValueError, "must be >= 0"),
+    (lambda a: a.extend(["a", "a"], [1, 1]), ValueError, "more than once"),
+    (lambda a: a.extend(["a"], [1, 2]), ValueError, "1 sequences but 2 token counts"),
+    (lambda a: a.free("x"), KeyError, "unknown sequence"),
+])
+def test_allocator_errors(call, error, message):
+    allocator = BlockAllocator(num_blocks=2, block_size=2)
+    allocator.add("a")
+    with pytest.raises(error, match=message):
+        call(allocator)
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16])
+def test_cache_tensors(fmt, layout, model_dtype):
+    cache = PagedKVCache(fmt, num_layers=3, num_kv_heads=2, head_size=8, num_blocks=5, block_size=4,
+                         model_dtype=model_dtype, layout=layout)
+    expected_dtype = model_dtype if fmt is KVCacheDtype.UNQUANTIZED else fmt.storage_dtype
+    for layer in range(3):
+        key, value = cache.layer(layer)
+        assert key.shape == value.shape == (5, 4, 2, 8) and key.dtype == expected_dtype
+        assert key.stride(-1) == 1
+        # HND keeps each head's tokens together: the head stride is block_size * head_size.
+        assert key.stride(2) == (4 * 8 if layout == "HND" else 8)
+    element = 2 if fmt is KVCacheDtype.UNQUANTIZED else 1
+    assert cache.memory_bytes == 3 * 2 * 5 * 4 * 2 * 8 * element
+    assert cache.memory_bytes == cache.capacity_tokens * bytes_per_token(3, 2, 8, expected_dtype)
+
+
+def test_capacity_report():
+    report = capacity_report(1.0, num_layers=32, num_kv_heads=8, head_size=128, model_dtype=torch.bfloat16)
+    bf16_tokens = 2**30 // (2 * 32 * 8 * 128 * 2)  # 8192: a whole number of 16-token blocks
+    assert report[KVCacheDtype.UNQUANTIZED] == bf16_tokens == 8192
+    assert report[KVCacheDtype.E4M3FN] == report[KVCacheDtype.E5M2] == report[KVCacheDtype.E4M3FNUZ] == 2 * bf16_tokens
+    assert capacity_report(0.001, 32, 8, 128, torch.bfloat16)[KVCacheDtype.E4M3FN] % 16 == 0
+
+
+def test_prepare_builds_the_index_tensors():
+    cache = PagedKVCache("auto", num_layers=1, num_kv_heads=1, head_size=8, num_blocks=8, block_size=2)
+    cache.add_sequence("a")
+    cache.add_sequence("b")
+    batch = cache.prepare(["a", "b"], [3, 1])
+    assert batch.slot_mapping.dtype == torch.int64 and batch.slot_mapping.tolist() == [0, 1, 2, 4]
+    assert batch.block_tables.dtype == torch.int32 and batch.block_tables.tolist() == [[0, 1], [2, 0]]
+    assert batch.seq_lens.dtype == torch.int32 and batch.seq_lens.tolist() == [3, 1]
+    assert batch.cu_seqlens_q.dtype == torch.int32 and batch.cu_seqlens_q.tolist() == [0, 3, 4]
+    decode = cache.prepare(["a", "b"], [1, 1])
+    assert decode.cu_seqlens_q is None and decode.seq_lens.tolist() == [4, 2] and decode.slot_mapping.tolist() == [3, 5]
+    assert cache.seq_len("a") == 4
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(layout="NDH"), "layout must be one of"),
+    (dict(model_dtype=torch.float32), "model_dtype must be float16 or bfloat16"),
+    (dict(num_layers=0), "num_layers must be a positive integer"),
+    (dict(num_blocks=0), "num_blocks and block_size must be positive"),
+])
+def test_cache_argument_errors(kwargs, message):
+    arguments = {**dict(num_layers=1, num_kv_heads=1, head_size=8, num_blocks=2), **kwargs}
+    with pytest.raises(ValueError, match=message):
+        PagedKVCache("fp8_e4m3fn", **arguments)
+
+
+def test_cache_from_config_takes_its_layer_count():
+    cache = PagedKVCache(KVCacheConfig.unit_scales("fp8_e5m2", 5), num_kv_heads=1, head_size=8, num_blocks=2)
+    assert cache.num_layers == 5 and cache.dtype == torch.float8_e5m2
+    with pytest.raises(ValueError, match="num_layers=4 but the KVCacheConfig has 5 layers"):
+        PagedKVCache(KVCacheConfig.unit_scales("fp8_e5m2", 5), num_layers=4, num_kv_heads=1, head_size=8, num_blocks=2)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def reference_dequantize(x: torch.Tensor, scale: torch.Tensor, fmt: KVCacheDtype) -> torch.Tensor:
+    """What the cache holds for `x`, in float64: x / s in float32, rounded to nearest even in the
+    FP8 format (these inputs stay inside its range, where torch's conversion is exact RNE), times s."""
+    if fmt is KVCacheDtype.UNQUANTIZED:
+        return x.double()
+    s = scale.float()[:, None]
+    return (x.float() / s).to(fmt.storage_dtype).double() * s.double()
+
+
+def reference_attention(q, keys, values, softmax_scale, num_cached):
+    """float64 causal attention of q [n, Hq, D] (the last n of num_cached tokens) over keys/values
+    [num_cached, Hkv, D]."""
+    group = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(group, dim=1)
+    v = values.repeat_interleave(group, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q.double(), k) * softmax_scale
+    n = q.shape[0]
+    visible = torch.arange(num_cached)[None, :] <= (num_cached - n + torch.arange(n))[:, None]
+    logits = logits.masked_fill(~visible, -math.inf)
+    return torch.einsum("hqk,khd->qhd", logits.softmax(-1), v)
+
+
+def _scales(per_head, num_kv_heads, base, fmt):
+    if fmt is KVCacheDtype.UNQUANTIZED:
+        return (1.0,)
+    return tuple(base * (1 + 0.5 * h) for h in range(num_kv_heads)) if per_head else (base,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16])
+def test_paged_attention_over_steps_matches_float64_reference(device, fmt, layout, num_heads, num_kv_heads,
+                                                             per_head, model_dtype):
+    head_size, block_size, num_layers = 16, 4, 2
+    generator = torch.Generator().manual_seed(0)
+    # Scales put |x / s| up to ~4 / 0.02 = 200: inside every format's range, e4m3fnuz's 240 included.
+    config = KVCacheConfig(fmt, [_scales(per_head, num_kv_heads, 0.02 * (layer + 1), fmt) for layer in range(num_layers)],
+                           [_scales(per_head, num_kv_heads, 0.03, fmt) for _ in range(num_layers)])
+    cache = PagedKVCache(config, num_kv_heads=num_kv_heads, head_size=head_size, num_blocks=24,
+                         block_size=block_size, model_dtype=model_dtype, device=device, layout=layout)
+    layers = [PagedAttention(num_heads, num_kv_heads, head_size, config, layer).to(device) for layer in range(num_layers)]
+    seqs = ["a", "b", "c"]
+    for s in seqs:
+        cache.add_sequence(s)
+    history = {(s, layer): ([], []) for s in seqs for layer in range(num_layers)}
+    # Prefill, a chunked continuation (one sequence with no new tokens), then decode steps.
+    steps = [[5, 9, 1], [3, 0, 4], [1, 1, 1], [1, 1, 1], [1, 1, 1]]
+    # Tolerance: the kernel accumulates in fp32 from the same dequantized inputs as the float64
+    # reference, then rounds once to the model dtype: half an ulp, 2^-9 (bf16) or 2^-12 (fp16)
+    # relative; rtol is twice that, atol covers outputs near zero.
+    rtol = 2**-8 if model_dtype == torch.bfloat16 else 2**-11
+    for counts in steps:
+        batch = cache.prepare(seqs, counts)
+        total = sum(counts)
+        for layer, module in enumerate(layers):
+            q = torch.randn(total, num_heads, head_size, generator=generator).to(model_dtype)
+            k = torch.randn(total, num_kv_heads, head_size, generator=generator).to(model_dtype)
+            v = torch.randn(total, num_kv_heads, head_size, generator=generator).to(model_dtype)
+            out = module(q.to(device), k.to(device), v.to(device), cache, batch).cpu()
+            start = 0
+            for s, n in zip(seqs, counts):
+                keys, values = history[(s, layer)]
+                keys.append(reference_dequantize(k[start:start + n], config.k_scale(layer), fmt))
+                values.append(reference_dequantize(v[start:start + n], config.v_scale(layer), fmt))
+                if n:
+                    ref = reference_attention(q[start:start + n], torch.cat(keys), torch.cat(values),
+                                              head_size**-0.5, cache.seq_len(s))
+                    torch.testing.assert_close(out[start:start + n].double(), ref, rtol=rtol, atol=1e-5)
+                start += n
+    # The cache holds exactly the reference's dequantized values, at the slots of the block table.
+    key_cache, _ = cache.layer(1)
+    table = cache.allocator.blocks("b")
+    stored = torch.stack([key_cache[table[p // block_size], p % block_size] for p in range(cache.seq_len("b"))]).cpu()
+    scale = config.k_scale(1)[:, None] if fmt.is_fp8 else torch.ones(1, 1)
+    assert torch.equal(stored.double() * scale.double(), torch.cat(history[("b", 1)][0]))
+
+
+def test_scales_never_change_in_forward():
+    config = KVCacheConfig("fp8_e4m3fn", [(0.5, 0.25)], [(0.125,)])
+    module = PagedAttention(4, 2, 8, config, 0)
+    before = (module.k_scale.clone(), module.v_scale.clone())
+    cache = PagedKVCache(config, num_kv_heads=2, head_size=8, num_blocks=4)
+    cache.add_sequence(0)
+    batch = cache.prepare([0], [3])
+    x = torch.randn(3, 2, 8, dtype=torch.bfloat16)
+    module(torch.randn(3, 4, 8, dtype=torch.bfloat16), x, x, cache, batch)
+    assert torch.equal(module.k_scale, before[0]) and torch.equal(module.v_scale, before[1])
+    assert module.k_scale.tolist() == [0.5, 0.25] and module.v_scale.tolist() == [0.125, 0.125]
+
+
+def test_module_and_cache_formats_must_agree():
+    module = PagedAttention(2, 2, 8, "fp8_e4m3fn", 0)
+    cache = PagedKVCache("fp8_e5m2", num_layers=1, num_kv_heads=2, head_size=8, num_blocks=2)
+    cache.add_sequence(0)
+    x = torch.randn(1, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="layer 0 is float8_e4m3fn but the cache is float8_e5m2"):
+        module(x, x, x, cache, cache.prepare([0], [1]))
+
+
+def test_module_argument_errors():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        PagedAttention(3, 2, 8, "auto", 0)
+    with pytest.raises(ValueError, match="k_scale has 3 values; expected 1 or num_kv_heads=2"):
+        PagedAttention(2, 2, 8, KVCacheConfig("fp8_e4m3fn", [(1.0, 1.0, 1.0)], [(1.0,)]), 0)
+
+
+# ----------------------------------------------------------------------------- state dict
+
+
+class ToyAttention(nn.Module):
+    """A checkpoint's attention module P: projections plus the PagedAttention as P.attn."""
+
+    def __init__(self, kv_cache, layer, num_kv_heads=4, **kwargs):
+        super().__init__()
+        self.k_proj = nn.Linear(8, 8, bias=False)
+        self.v_proj = nn.Linear(8, 8, bias=False)
+        self.attn = PagedAttention(8, num_kv_heads, 2, kv_cache, layer, **kwargs)
+
+
+class ToyModel(nn.Module):
+    def __init__(self, kv_cache, num_layers=2, **kwargs):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"self_attn": ToyAttention(kv_cache, i, **kwargs)})
+                                    for i in range(num_layers))
+
+
+def _checkpoint(scales: dict) -> dict:
+    state = {}
+    for layer in range(2):
+        state[f"layers.{layer}.self_attn.k_proj.weight"] = torch.zeros(8, 8)
+        state[f"layers.{layer}.self_attn.v_proj.weight"] = torch.zeros(8, 8)
+    for name, value in scales.items():
+        for layer in range(2):
+            state[f"layers.{layer}.self_attn.{name}"] = torch.as_tensor(value) * (layer + 1)
+    return state
+
+
+HEADS = [0.5, 0.25, 0.125, 1.0]
+
+
+@pytest.mark.parametrize("scales, k_expected, v_expected", [
+    ({"k_scale": torch.tensor(0.5), "v_scale": torch.tensor([0.25])}, [0.5] * 4, [0.25] * 4),
+    ({"k_scale": torch.tensor(HEADS), "v_scale": torch.tensor(HEADS).reshape(4, 1, 1).bfloat16()}, HEADS, HEADS),
+    ({"kv_scale": torch.tensor(0.75)}, [0.75] * 4, [0.75] * 4),
+    ({"k_proj.k_scale": torch.tensor([0.5]), "v_proj.v_scale": torch.tensor(0.125, dtype=torch.float16)},
+     [0.5] * 4, [0.125] * 4),
+])
+def test_checkpoint_names_land_in_the_buffers(scales, k_expected, v_expected):
+    model = map_checkpoint_scale_names(ToyModel("fp8_e4m3fn"))
+    result = model.load_state_dict(_checkpoint(scales), strict=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    for layer in range(2):
+        attn = model.layers[layer]["self_attn"].attn
+        assert attn.k_scale.tolist() == [x * (layer + 1) for x in k_expected]
+        assert attn.v_scale.tolist() == [x * (layer + 1) for x in v_expected]
+
+
+def test_module_names_load_without_the_mapping():
+    model = ToyModel("fp8_e4m3fn")
+    model.load_state_dict(_checkpoint({"attn.kv_scale": torch.tensor(0.5)}))
+    assert model.layers[1]["self_attn"].attn.k_scale.tolist() == [1.0] * 4
+    assert model.layers[1]["self_attn"].attn.v_scale.tolist() == [1.0] * 4
+    model.load_state_dict(_checkpoint({"attn.k_scale": torch.tensor(HEADS), "attn.v_scale": torch.tensor(0.25)}))
+    assert model.layers[0]["self_attn"].attn.k_scale.tolist() == HEADS
+
+
+@pytest.mark.parametrize("cache, calibrated_for, factor", [
+    ("float8_e4m3fnuz", "float8_e4m3fn", 2.0),
+    ("float8_e4m3fn", "float8_e4m3fnuz", 0.5),
+    ("float8_e5m2", "float8_e4m3fn", 1.0),
+    ("auto", "float8_e4m3fn", 1.0),
+])
+def test_state_dict_scales_are_converted_to_the_cache_format(cache, calibrated_for, factor):
+    model = map_checkpoint_scale_names(ToyModel(cache, scales_calibrated_for=calibrated_for))
+    model.load_state_dict(_checkpoint({"k_scale": torch.tensor(HEADS), "v_scale": torch.tensor(0.5)}))
+    assert model.layers[0]["self_attn"].attn.k_scale.tolist() == [h * factor for h in HEADS]
+    assert model.layers[0]["self_attn"].attn.v_scale.tolist() == [0.5 * factor] * 4
+
+
+@pytest.mark.parametrize("num_kv_heads, tp_size, checkpoint_heads", [(2, 2, 4), (1, 4, 4), (1, 4, 2), (1, 8, 4)])
+def test_state_dict_scales_are_sliced_for_the_rank(num_kv_heads, tp_size, checkpoint_heads):
+    global_scales = [0.5 * (h + 1) for h in range(checkpoint_heads)]
+    for rank in range(tp_size):
+        model = map_checkpoint_scale_names(ToyModel("fp8_e4m3fn", num_kv_heads=num_kv_heads, tp_rank=rank,
+                                                    tp_size=tp_size))
+        model.load_state_dict(_checkpoint({"k_scale": torch.tensor(global_scales), "v_scale": torch.tensor(1.0)}))
+        if checkpoint_heads >= tp_size:
+            heads = range(rank * num_kv_heads, (rank + 1) * num_kv_heads)
+        else:
+            heads = [rank * checkpoint_heads // tp_size]
+        assert model.layers[0]["self_attn"].attn.k_scale.tolist() == [global_scales[h] for h in heads]
+
+
+@pytest.mark.parametrize("scales, key, message", [
+    ({"k_scale": torch.tensor(-1.0), "v_scale": torch.tensor(1.0)}, "layers.0.self_attn.attn.k_scale", "finite and > 0"),
+    ({"k_scale": torch.tensor([1.0, math.nan, 1.0, 1.0]), "v_scale": torch.tensor(1.0)}, "layers.0.self_attn.attn.k_scale",
+     r"value \[1\] nan"),
+    ({"k_scale": torch.ones(3), "v_scale": torch.tensor(1.0)}, "layers.0.self_attn.attn.k_scale", r"shape \[3\]"),
+    ({"k_scale": torch.tensor(1.0), "kv_scale": torch.tensor(1.0)}, "layers.0.self_attn.attn.kv_scale", "conflicts with"),
+    ({"k_scale": torch.tensor(1.0), "k_proj.k_scale": torch.tensor(1.0), "v_scale": torch.tensor(1.0)},
+     "layers.0.self_attn.k_proj.k_scale", "conflicts with another scale"),
+])
+def test_bad_state_dict_scales_are_errors_naming_the_key(scales, key, message):
+    model = map_checkpoint_scale_names(ToyModel("fp8_e4m3fn"))
+    with pytest.raises(CheckpointError, match=message) as info:
+        model.load_state_dict(_checkpoint(scales))
+    assert key in str(info.value)
+
+
+def test_state_dict_round_trip():
+    config = KVCacheConfig("fp8_e4m3fn", [(0.5, 0.25, 0.125, 1.0), (2.0,)], [(0.25,), (0.5,)])
+    source = map_checkpoint_scale_names(ToyModel(config))
+    state = source.state_dict()
+    assert state["layers.0.self_attn.attn.k_scale"].tolist() == [0.5, 0.25, 0.125, 1.0]
+    target = map_checkpoint_scale_names(ToyModel("fp8_e4m3fn"))
+    target.load_state_dict(state)
+    assert target.layers[1]["self_attn"].attn.k_scale.tolist() == [2.0] * 4
