@@ -47,7 +47,7 @@ struct CacheWriteParams {
   const int64_t* slot_mapping;
   int64_t num_slots;  // tokens to write: slot_mapping's length
   HeadScalars k_scale, v_scale;
-  int num_kv_heads, head_size, block_size;
+  int num_kv_heads, head_size, block_size, num_blocks;
 };
 
 struct PagedAttentionParams {

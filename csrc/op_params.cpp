@@ -116,6 +116,8 @@ CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& val
   TORCH_CHECK(slot_mapping.size(0) <= key.size(0), op, ": `slot_mapping` has ", slot_mapping.size(0),
               " entries but `key` has only ", key.size(0), " tokens");
   check_same_device(op, "slot_mapping", slot_mapping, key, "key");
+  TORCH_CHECK(key_cache.size(0) <= INT32_MAX && key_cache.size(1) <= INT32_MAX, op,
+              ": sizes beyond int32 are not supported");
 
   p.key = key.data_ptr();
   p.value = value.data_ptr();
@@ -130,6 +132,7 @@ CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& val
   p.num_kv_heads = static_cast<int>(key.size(1));
   p.head_size = static_cast<int>(key.size(2));
   p.block_size = static_cast<int>(key_cache.size(1));
+  p.num_blocks = static_cast<int>(key_cache.size(0));
   p.k_scale = head_scalars(op, "k_scale", k_scale, p.num_kv_heads, key, "key");
   p.v_scale = head_scalars(op, "v_scale", v_scale, p.num_kv_heads, key, "key");
   return p;

@@ -6,18 +6,24 @@ cd "$(dirname "$0")/.."
 NVCC="${NVCC:-nvcc}"
 TORCH_DIR=$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")
 ABI=$(python3 -c "import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))")
-CUDA_INCLUDE=$(dirname "$(command -v "$NVCC")")/../include
+# nvcc may be a wrapper script: ask it where the toolkit is.
+CUDA_INCLUDE=$("$NVCC" --dryrun -c -x cu /dev/null 2>&1 | sed -n 's/^#\$ INCLUDES="-I\([^"]*\)".*/\1/p' | head -1)
+[ -f "$CUDA_INCLUDE/cuda_runtime_api.h" ] || CUDA_INCLUDE="${CUDA_HOME:-/usr/local/cuda}/include"
 out=$(mktemp -d); trap 'rm -rf "$out"' EXIT
 shopt -s nullglob
 for src in csrc/cuda/*.cu; do
   echo "nvcc: $src"
-  "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr -c "$src" -o "$out/$(basename "$src").o" \
+  "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr --Werror all-warnings -c "$src" -o "$out/$(basename "$src").o" \
     -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_89,code=sm_89 \
     -gencode=arch=compute_90a,code=sm_90a
 done
+# A CPU-only torch ships c10/cuda headers but not the one its CUDA build generates; supply it.
+mkdir -p "$out/shim/c10/cuda/impl"
+[ -f "$TORCH_DIR/include/c10/cuda/impl/cuda_cmake_macros.h" ] ||
+  echo "#define C10_CUDA_BUILD_SHARED_LIBS" >"$out/shim/c10/cuda/impl/cuda_cmake_macros.h"
 for src in csrc/cuda/*.cpp; do
   echo "g++ (CUDA bindings): $src"
-  g++ -std=c++17 -fsyntax-only -DFP8KV_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI="$ABI" "$src" \
-    -I"$TORCH_DIR/include" -I"$TORCH_DIR/include/torch/csrc/api/include" -I"$CUDA_INCLUDE"
+  g++ -std=c++20 -fsyntax-only -Wall -Werror -DFP8KV_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI="$ABI" "$src" \
+    -I"$TORCH_DIR/include" -I"$TORCH_DIR/include/torch/csrc/api/include" -I"$out/shim" -I"$CUDA_INCLUDE"
 done
 echo "CUDA sources compile"

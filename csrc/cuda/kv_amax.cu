@@ -1,0 +1,88 @@
+// CUDA calibration reduction: max(|x|) of K and V per KV head, folded into running maxima.
+//
+// CTA = (K or V, head, chunk of tokens). |x| is non-negative, so its float bits order like signed
+// integers, with every NaN (sign cleared) above +inf: an integer max reduces and propagates NaN
+// in one operation, and atomicMax folds into the running maximum.
+#include "device_utils.cuh"
+#include "launchers.h"
+
+namespace fp8kv::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kTokensPerCta = 64;
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x) {
+  if constexpr (std::is_same_v<T, __half>) return __half2float(x);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(x);
+  else return x;
+}
+
+template <typename Src, int kVec>
+__global__ void __launch_bounds__(kThreads) kv_amax_kernel(const AmaxParams p) {
+  const bool is_value = blockIdx.y >= static_cast<unsigned>(p.num_kv_heads);
+  const int head = is_value ? blockIdx.y - p.num_kv_heads : blockIdx.y;
+  const auto* base = static_cast<const Src*>(is_value ? p.value : p.key);
+  const int64_t token_stride = is_value ? p.value_token_stride : p.key_token_stride;
+  const int64_t head_stride = is_value ? p.value_head_stride : p.key_head_stride;
+  const int chunks_per_row = p.head_size / kVec;
+  const int64_t first_token = static_cast<int64_t>(blockIdx.x) * kTokensPerCta;
+  const int64_t tokens = min(static_cast<int64_t>(kTokensPerCta), p.num_tokens - first_token);
+
+  int amax_bits = 0;  // bits of +0.0
+  for (int64_t i = threadIdx.x; i < tokens * chunks_per_row; i += kThreads) {
+    const int64_t token = first_token + i / chunks_per_row;
+    const Src* src = base + token * token_stride + head * head_stride + (i % chunks_per_row) * kVec;
+    Src values[kVec];
+    if constexpr (sizeof(Src) * kVec == 16) {
+      *reinterpret_cast<uint4*>(values) = __ldg(reinterpret_cast<const uint4*>(src));
+    } else {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) values[e] = src[e];
+    }
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) amax_bits = max(amax_bits, __float_as_int(fabsf(to_float(values[e]))));
+  }
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, mask));
+  __shared__ int warp_max[kThreads / 32];
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax_bits;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kThreads / 32; ++w) amax_bits = max(amax_bits, warp_max[w]);
+    const HeadScalars& out = is_value ? p.v_amax : p.k_amax;
+    atomicMax(reinterpret_cast<int*>(out.data + (out.per_head ? head : 0)), amax_bits);
+  }
+}
+
+template <typename Src>
+cudaError_t launch_typed(const AmaxParams& p, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(Src);
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const int64_t strides[] = {p.key_token_stride, p.key_head_stride, p.value_token_stride, p.value_head_stride};
+  bool vectorized = p.head_size % kVec == 0 && aligned(p.key) && aligned(p.value);
+  for (int64_t s : strides) vectorized = vectorized && (s * static_cast<int64_t>(sizeof(Src))) % 16 == 0;
+  const dim3 grid(static_cast<unsigned>((p.num_tokens + kTokensPerCta - 1) / kTokensPerCta),
+                  static_cast<unsigned>(2 * p.num_kv_heads));
+  if (vectorized) {
+    kv_amax_kernel<Src, kVec><<<grid, kThreads, 0, stream>>>(p);
+  } else {
+    kv_amax_kernel<Src, 1><<<grid, kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_kv_amax(const AmaxParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  switch (p.src_dtype) {
+    case DType::kFloat16: return launch_typed<__half>(p, stream);
+    case DType::kBFloat16: return launch_typed<__nv_bfloat16>(p, stream);
+    case DType::kFloat32: return launch_typed<float>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace fp8kv::cuda

@@ -1,0 +1,168 @@
+// CUDA cache write: each thread quantizes kVec consecutive elements of one (token, head) row of K
+// and of V (16-byte loads) and scatters them to the token's slot.
+#include "device_utils.cuh"
+#include "launchers.h"
+
+namespace fp8kv::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+struct Source;
+template <>
+struct Source<__half> {
+  static __device__ __forceinline__ float load(const __half* p, int i) { return __half2float(p[i]); }
+};
+template <>
+struct Source<__nv_bfloat16> {
+  static __device__ __forceinline__ float load(const __nv_bfloat16* p, int i) { return __bfloat162float(p[i]); }
+};
+template <>
+struct Source<float> {
+  static __device__ __forceinline__ float load(const float* p, int i) { return p[i]; }
+};
+
+// x / scale encoded; the division is IEEE (fp32, round to nearest) like the CPU codec's input.
+template <Fp8Format F>
+__device__ __forceinline__ uint8_t quantize(float x, float scale) {
+  const float y = __fdiv_rn(x, scale);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if constexpr (F == Fp8Format::kE4M3FN || F == Fp8Format::kE5M2) {
+    // The hardware conversion is the contract's reference; NaN is pinned to the canonical code.
+    if (isnan(y)) return Fp8Traits<F>::kNanCode;
+    uint16_t pair;
+    if constexpr (F == Fp8Format::kE4M3FN) {
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(pair) : "f"(0.0f), "f"(y));
+    } else {
+      asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;\n" : "=h"(pair) : "f"(0.0f), "f"(y));
+    }
+    return static_cast<uint8_t>(pair);
+  }
+#endif
+  return fp8_encode<F>(y);
+}
+
+// Writes kVec elements starting at `src` to `dst` (cache element type Dst).
+template <typename Src, DType kCache, int kVec>
+__device__ __forceinline__ void write_chunk(const Src* src, uint8_t* dst, float scale) {
+  if constexpr (kCache == DType::kFloat16 || kCache == DType::kBFloat16 || kCache == DType::kFloat32) {
+    // Unquantized: a bit copy (the cache dtype equals the source dtype).
+    if constexpr (sizeof(Src) * kVec == 16) {
+      *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(src));
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) reinterpret_cast<Src*>(dst)[i] = src[i];
+    }
+  } else {
+    constexpr Fp8Format F = kCache == DType::kFloat8E4M3FN ? Fp8Format::kE4M3FN
+                            : kCache == DType::kFloat8E5M2  ? Fp8Format::kE5M2
+                                                            : Fp8Format::kE4M3FNUZ;
+    Src values[kVec];
+    if constexpr (sizeof(Src) * kVec == 16) {
+      *reinterpret_cast<uint4*>(values) = __ldg(reinterpret_cast<const uint4*>(src));
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) values[i] = src[i];
+    }
+    uint8_t codes[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) codes[i] = quantize<F>(Source<Src>::load(values, i), scale);
+    if constexpr (kVec == 8) {
+      *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(codes);
+    } else if constexpr (kVec == 4) {
+      *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(codes);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) dst[i] = codes[i];
+    }
+  }
+}
+
+template <typename Src, DType kCache, int kVec>
+__global__ void __launch_bounds__(kThreads) reshape_and_cache_kernel(const CacheWriteParams p) {
+  const int chunks_per_row = p.head_size / kVec;
+  const int64_t index = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t total = p.num_slots * p.num_kv_heads * chunks_per_row;
+  if (index >= total) return;
+  const int chunk = static_cast<int>(index % chunks_per_row);
+  const int head = static_cast<int>((index / chunks_per_row) % p.num_kv_heads);
+  const int64_t token = index / (static_cast<int64_t>(chunks_per_row) * p.num_kv_heads);
+  const int64_t slot = __ldg(p.slot_mapping + token);
+  if (slot < 0) return;  // padding token
+  const int64_t block = slot / p.block_size, offset = slot % p.block_size;
+  if (block >= p.num_blocks) return;  // invalid slot (reported in debug-check mode): never write outside
+  constexpr int kCacheBytes = kCache == DType::kFloat32 ? 4 : (kCache == DType::kFloat16 || kCache == DType::kBFloat16) ? 2 : 1;
+  const int element = chunk * kVec;
+
+  const auto* key = static_cast<const Src*>(p.key) + token * p.key_token_stride + head * p.key_head_stride + element;
+  auto* key_dst = static_cast<uint8_t*>(p.key_cache.data) +
+                  (block * p.key_cache.block_stride + offset * p.key_cache.token_stride +
+                   head * p.key_cache.head_stride + element) * kCacheBytes;
+  write_chunk<Src, kCache, kVec>(key, key_dst, p.k_scale.data[p.k_scale.per_head ? head : 0]);
+
+  const auto* value = static_cast<const Src*>(p.value) + token * p.value_token_stride + head * p.value_head_stride + element;
+  auto* value_dst = static_cast<uint8_t*>(p.value_cache.data) +
+                    (block * p.value_cache.block_stride + offset * p.value_cache.token_stride +
+                     head * p.value_cache.head_stride + element) * kCacheBytes;
+  write_chunk<Src, kCache, kVec>(value, value_dst, p.v_scale.data[p.v_scale.per_head ? head : 0]);
+}
+
+// 16-byte source vectors when every row start is 16-byte aligned, else one element per thread.
+bool rows_are_16_byte_aligned(const CacheWriteParams& p, int src_bytes, int vec) {
+  auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const int64_t cache_bytes = dtype_bytes(p.cache_dtype);
+  const int64_t strides[] = {p.key_token_stride * src_bytes, p.key_head_stride * src_bytes,
+                             p.value_token_stride * src_bytes, p.value_head_stride * src_bytes,
+                             p.key_cache.block_stride * cache_bytes, p.key_cache.token_stride * cache_bytes,
+                             p.key_cache.head_stride * cache_bytes, p.value_cache.block_stride * cache_bytes,
+                             p.value_cache.token_stride * cache_bytes, p.value_cache.head_stride * cache_bytes};
+  bool ok = p.head_size % vec == 0 && aligned(p.key) && aligned(p.value) && aligned(p.key_cache.data) &&
+            aligned(p.value_cache.data);
+  // A cache chunk is vec * cache_bytes wide; its alignment follows from the strides.
+  for (int64_t s : strides) ok = ok && s % (vec * cache_bytes) == 0 && s % 16 == 0;
+  return ok;
+}
+
+template <typename Src, DType kCache>
+cudaError_t launch_typed(const CacheWriteParams& p, cudaStream_t stream) {
+  constexpr int kVec = 16 / sizeof(Src);
+  const bool vectorized = rows_are_16_byte_aligned(p, sizeof(Src), kVec);
+  const int vec = vectorized ? kVec : 1;
+  const int64_t threads = p.num_slots * p.num_kv_heads * (p.head_size / vec);
+  if (threads == 0) return cudaSuccess;
+  const unsigned blocks = static_cast<unsigned>((threads + kThreads - 1) / kThreads);
+  if (vectorized) {
+    reshape_and_cache_kernel<Src, kCache, kVec><<<blocks, kThreads, 0, stream>>>(p);
+  } else {
+    reshape_and_cache_kernel<Src, kCache, 1><<<blocks, kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+template <typename Src>
+cudaError_t dispatch_cache(const CacheWriteParams& p, cudaStream_t stream) {
+  switch (p.cache_dtype) {
+    case DType::kFloat8E4M3FN: return launch_typed<Src, DType::kFloat8E4M3FN>(p, stream);
+    case DType::kFloat8E5M2: return launch_typed<Src, DType::kFloat8E5M2>(p, stream);
+    case DType::kFloat8E4M3FNUZ: return launch_typed<Src, DType::kFloat8E4M3FNUZ>(p, stream);
+    default: break;
+  }
+  // Unquantized: the cache has the source's dtype.
+  if constexpr (std::is_same_v<Src, __half>) return launch_typed<Src, DType::kFloat16>(p, stream);
+  if constexpr (std::is_same_v<Src, __nv_bfloat16>) return launch_typed<Src, DType::kBFloat16>(p, stream);
+  return launch_typed<Src, DType::kFloat32>(p, stream);
+}
+
+}  // namespace
+
+cudaError_t launch_reshape_and_cache(const CacheWriteParams& p, cudaStream_t stream) {
+  switch (p.src_dtype) {
+    case DType::kFloat16: return dispatch_cache<__half>(p, stream);
+    case DType::kBFloat16: return dispatch_cache<__nv_bfloat16>(p, stream);
+    case DType::kFloat32: return dispatch_cache<float>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace fp8kv::cuda
