@@ -1,0 +1,77 @@
+// HIP registrations. ROCm builds of PyTorch call their GPUs "cuda" devices, so the kernels register
+// under the CUDA dispatch key. Validate (op_params.h), check index tensors in debug mode only (that
+// copies them to the host), then launch on the current stream of the operands' device.
+//
+// Only c10's device-generic API is used here (device guard, current stream), so this file compiles
+// against the headers of any torch build; CI checks it against the CPU build's.
+#include <hip/hip_runtime_api.h>
+
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include "../op_params.h"
+#include "kernels.h"
+
+namespace fp8kv {
+namespace {
+
+hipStream_t current_stream(const at::Device& device) {
+  // On ROCm torch the CUDA device type's guard is the HIP one; its native handle is a hipStream_t.
+  return static_cast<hipStream_t>(c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle());
+}
+
+void check_launch(const char* op, hipError_t status) {
+  TORCH_CHECK(status == hipSuccess, op, ": HIP kernel launch failed: ", hipGetErrorString(status));
+}
+
+void reshape_and_cache_hip(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                           const at::Tensor& v_scale) {
+  const CacheWriteParams p = cache_write_params(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+  if (debug_checks_enabled()) check_slot_mapping_indices(slot_mapping.cpu(), key_cache.size(0) * key_cache.size(1));
+  const c10::DeviceGuard guard(key.device());
+  check_launch("fp8kv.reshape_and_cache", hip::reshape_and_cache(p, current_stream(key.device())));
+}
+
+void paged_attention_hip(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
+                         const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
+                         double logits_soft_cap) {
+  constexpr const char* op = "fp8kv.paged_attention";
+  const PagedAttentionParams p = paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                        cu_seqlens_q, softmax_scale, k_scale, v_scale, sliding_window,
+                                                        logits_soft_cap);
+  const char* unsupported = hip::paged_attention_unsupported(p);
+  TORCH_CHECK(unsupported == nullptr, op, " (HIP): ", unsupported, "; got `query` of shape ", query.sizes());
+  if (debug_checks_enabled()) {
+    const std::optional<at::Tensor> host_cu_seqlens_q =
+        cu_seqlens_q.has_value() ? std::optional<at::Tensor>(cu_seqlens_q->cpu()) : std::nullopt;
+    check_paged_attention_indices(block_tables.cpu(), seq_lens.cpu(), host_cu_seqlens_q, query.size(0),
+                                  key_cache.size(1), key_cache.size(0), sliding_window);
+  }
+  const c10::DeviceGuard guard(query.device());
+  hip::AttentionPlan plan{};
+  check_launch(op, hip::plan_paged_attention(p, &plan));
+  // Split-KV partial results: from the caching allocator, stream-ordered, capturable in graphs.
+  const at::Tensor workspace = at::empty({plan.workspace_bytes}, query.options().dtype(at::kByte));
+  check_launch(op, hip::paged_attention(p, plan, workspace.data_ptr(), current_stream(query.device())));
+}
+
+void kv_amax_hip(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_amax, at::Tensor& v_amax) {
+  const AmaxParams p = amax_params(key, value, k_amax, v_amax);
+  const c10::DeviceGuard guard(key.device());
+  check_launch("fp8kv.kv_amax", hip::kv_amax(p, current_stream(key.device())));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fp8kv, CUDA, m) {
+  m.impl("reshape_and_cache", &reshape_and_cache_hip);
+  m.impl("paged_attention", &paged_attention_hip);
+  m.impl("kv_amax", &kv_amax_hip);
+}
+
+}  // namespace fp8kv
