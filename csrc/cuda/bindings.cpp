@@ -73,8 +73,8 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
   if (p.num_query_tokens == 0 || p.num_seqs == 0) return;
 
   const c10::cuda::CUDAGuard guard(query.device());
-  const cuda::AttentionPlan plan =
-      cuda::plan_paged_attention(p, multiprocessor_count(query.get_device()));
+  cuda::AttentionPlan plan{};
+  check_launch(cuda::plan_paged_attention(p, multiprocessor_count(query.get_device()), plan), op);
   cuda::SplitWorkspace ws{};
   ws.rows = p.num_query_tokens * p.num_heads;
   ws.num_splits = plan.num_splits;

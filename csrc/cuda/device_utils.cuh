@@ -14,21 +14,44 @@ namespace fp8kv::cuda {
 
 // ---- loads ---------------------------------------------------------------------------------
 
-// Loads kBytes (2, 4, 8 or 16) from global memory into 32-bit words (2 bytes: into the low half).
+// Loads kBytes (2, 4, 8 or 16) from global or shared memory into 32-bit words (2 bytes: into the
+// low half).
 template <int kBytes>
 __device__ __forceinline__ void load_words(const void* ptr, uint32_t* dst) {
   if constexpr (kBytes == 16) {
-    const uint4 v = __ldg(static_cast<const uint4*>(ptr));
+    const uint4 v = *static_cast<const uint4*>(ptr);
     dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
   } else if constexpr (kBytes == 8) {
-    const uint2 v = __ldg(static_cast<const uint2*>(ptr));
+    const uint2 v = *static_cast<const uint2*>(ptr);
     dst[0] = v.x, dst[1] = v.y;
   } else if constexpr (kBytes == 4) {
-    dst[0] = __ldg(static_cast<const unsigned int*>(ptr));
+    dst[0] = *static_cast<const unsigned int*>(ptr);
   } else {
     static_assert(kBytes == 2, "unsupported load width");
-    dst[0] = __ldg(static_cast<const unsigned short*>(ptr));
+    dst[0] = *static_cast<const unsigned short*>(ptr);
   }
+}
+
+// Asynchronous global -> shared copy of kBytes (4, 8 or 16); zero-fills when `valid` is false
+// (nothing is read then).
+template <int kBytes>
+__device__ __forceinline__ void copy_async(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int src_bytes = valid ? kBytes : 0;
+  if constexpr (kBytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(gmem), "n"(kBytes), "r"(src_bytes)
+                 : "memory");
+  }
+}
+
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits until at most kPending of this thread's committed copy groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Largest power-of-two vector width (bytes, at most 16) that divides `bytes`.

@@ -26,7 +26,8 @@ struct SplitWorkspace {
 };
 
 bool paged_attention_supports_head_size(int head_size);
-AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int num_sms);
+// Chooses the split count from shapes and occupancy (also prepares the kernel's launch attributes).
+cudaError_t plan_paged_attention(const PagedAttentionParams& p, int num_sms, AttentionPlan& plan);
 cudaError_t launch_paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws,
                                    cudaStream_t stream);
 

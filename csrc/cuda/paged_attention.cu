@@ -59,73 +59,126 @@ struct CtaWork {
   int seq;
   int kv_head;
   int lo, hi;  // cache positions this CTA reads: [lo, hi)
+  int block_shift;  // log2(block_size)
+};
+
+// Where a lane's rows of one tile live; invalid rows (outside [lo, hi) or behind a bad table entry)
+// are never read and stay zero.
+struct TileRows {
+  const uint8_t* key[2];    // tokens g, g + 8
+  const uint8_t* value[4];  // tokens 2t, 2t + 1, 2t + 8, 2t + 9
+  bool key_valid[2], value_valid[4];
 };
 
 template <CacheKind C, int D>
-__device__ __forceinline__ void load_tile(TileRegs<C, D>& regs, const PagedAttentionParams& p, const CtaWork& w,
-                                          const int32_t* block_table, int tile_start, int lane) {
-  using L = Layout<C, D>;
+__device__ __forceinline__ TileRows locate_tile(const PagedAttentionParams& p, const CtaWork& w,
+                                                const int32_t* block_table, int tile_start, int lane) {
+  constexpr int kElemBytes = Layout<C, D>::kElemBytes;
   const int g = lane / 4, t = lane % 4;
+  const auto* key_base = static_cast<const uint8_t*>(p.key_cache.data);
+  const auto* value_base = static_cast<const uint8_t*>(p.value_cache.data);
+  TileRows rows;
   // A tile's two 8-token halves each lie in one page (block_size >= 8, a power of two).
-  int64_t half_offset[2][2];  // [half][K or V]: element offset of the half's first token
-  bool half_valid[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int first = tile_start + 8 * h;
     int64_t page = -1;
-    if (first + 7 >= w.lo && first < w.hi) page = __ldg(block_table + first / p.block_size);
+    if (first + 7 >= w.lo && first < w.hi) page = __ldg(block_table + (first >> w.block_shift));
     // Entries outside [0, num_blocks) are reported in debug-check mode; here they read as zeros.
-    half_valid[h] = page >= 0 && page < p.num_blocks;
-    const int64_t in_page = first % p.block_size;
-    half_offset[h][0] = page * p.key_cache.block_stride + in_page * p.key_cache.token_stride +
-                        static_cast<int64_t>(w.kv_head) * p.key_cache.head_stride;
-    half_offset[h][1] = page * p.value_cache.block_stride + in_page * p.value_cache.token_stride +
-                        static_cast<int64_t>(w.kv_head) * p.value_cache.head_stride;
+    const bool page_valid = page >= 0 && page < p.num_blocks;
+    if (!page_valid) page = 0;
+    const int64_t in_page = first & ((1 << w.block_shift) - 1);
+    const uint8_t* key_half = key_base + (page * p.key_cache.block_stride + in_page * p.key_cache.token_stride +
+                                          static_cast<int64_t>(w.kv_head) * p.key_cache.head_stride) * kElemBytes;
+    const uint8_t* value_half = value_base + (page * p.value_cache.block_stride + in_page * p.value_cache.token_stride +
+                                              static_cast<int64_t>(w.kv_head) * p.value_cache.head_stride) * kElemBytes;
+    const int key_pos = first + g;
+    rows.key[h] = key_half + g * p.key_cache.token_stride * kElemBytes;
+    rows.key_valid[h] = page_valid && key_pos >= w.lo && key_pos < w.hi;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int in_half = 2 * t + r;
+      const int value_pos = first + in_half;
+      rows.value[2 * h + r] = value_half + in_half * p.value_cache.token_stride * kElemBytes;
+      rows.value_valid[2 * h + r] = page_valid && value_pos >= w.lo && value_pos < w.hi;
+    }
   }
-  const auto* key_base = static_cast<const uint8_t*>(p.key_cache.data);
-  const auto* value_base = static_cast<const uint8_t*>(p.value_cache.data);
+  return rows;
+}
+
+// Lane-private staging of tiles in shared memory: each lane copies (cp.async) exactly the bytes it
+// later reads, so it waits only for its own copies and the loop needs no barrier. Unit u of a lane
+// sits at (u * 32 + lane) * unit_bytes: consecutive lanes, consecutive banks.
+template <CacheKind C, int D>
+struct Staging {
+  using L = Layout<C, D>;
+  static constexpr bool kAsyncValues = L::kVVecBytes >= 4;  // cp.async moves 4, 8 or 16 bytes
+  static constexpr int kKeyBytes = 32 * 2 * L::kKBytes;     // per warp and tile
+  static constexpr int kValueBytes = kAsyncValues ? 32 * 4 * L::kVBytes : 0;
+  static constexpr int kStageBytes = kKeyBytes + kValueBytes;
+  static constexpr int kRingBudget = 96 * 1024;  // per CTA
+  static constexpr int kStages = std::max(2, std::min(4, kRingBudget / (kWarps * kStageBytes)));
+  static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
+  static constexpr int kMergeBytes = (kWarps * kRows * (D + 4) + 2 * kWarps * kRows) * 4;
+  static constexpr int kSmemBytes = std::max(kRingBytes, kMergeBytes);
+};
+
+template <CacheKind C, int D>
+__device__ __forceinline__ void stage_tile(uint8_t* stage, const TileRows& rows, const void* fallback, int lane) {
+  using L = Layout<C, D>;
+  using S = Staging<C, D>;
+  const int g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int pos = tile_start + g + 8 * r;
-    const bool valid = pos >= w.lo && pos < w.hi && half_valid[r];
-    const uint8_t* row = key_base + (half_offset[r][0] + g * p.key_cache.token_stride) * L::kElemBytes;
 #pragma unroll
     for (int i = 0; i < L::kKVecs; ++i) {
-      uint32_t* dst = regs.k[r] + i * (L::kKVecBytes / 4);
-      if (valid) {
-        load_words<L::kKVecBytes>(row + ((i * 4 + t) * L::kKVec) * L::kElemBytes, dst);
-      } else {
+      const void* src = rows.key_valid[r] ? rows.key[r] + (i * 4 + t) * L::kKVecBytes : fallback;
+      copy_async<L::kKVecBytes>(stage + ((r * L::kKVecs + i) * 32 + lane) * L::kKVecBytes, src, rows.key_valid[r]);
+    }
+  }
+  if constexpr (S::kAsyncValues) {
 #pragma unroll
-        for (int x = 0; x < L::kKVecBytes / 4; ++x) dst[x] = 0u;
+    for (int r = 0; r < 4; ++r) {
+#pragma unroll
+      for (int i = 0; i < L::kVVecs; ++i) {
+        const void* src = rows.value_valid[r] ? rows.value[r] + (i * 8 + g) * L::kVVecBytes : fallback;
+        copy_async<L::kVVecBytes>(stage + S::kKeyBytes + ((r * L::kVVecs + i) * 32 + lane) * L::kVVecBytes, src,
+                                  rows.value_valid[r]);
       }
+    }
+  }
+}
+
+template <CacheKind C, int D>
+__device__ __forceinline__ void read_tile(TileRegs<C, D>& regs, const uint8_t* stage, const TileRows& rows, int lane) {
+  using L = Layout<C, D>;
+  using S = Staging<C, D>;
+  const int g = lane / 4;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+#pragma unroll
+    for (int i = 0; i < L::kKVecs; ++i) {
+      load_words<L::kKVecBytes>(stage + ((r * L::kKVecs + i) * 32 + lane) * L::kKVecBytes,
+                                regs.k[r] + i * (L::kKVecBytes / 4));
     }
   }
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    const int in_tile = 2 * t + (r & 1) + 8 * (r >> 1);
-    const int pos = tile_start + in_tile;
-    const bool valid = pos >= w.lo && pos < w.hi && half_valid[r >> 1];
-    const uint8_t* row = value_base + (half_offset[r >> 1][1] + (in_tile & 7) * p.value_cache.token_stride) * L::kElemBytes;
-    if constexpr (L::kVVecBytes == 2) {
-      // 2-byte vectors (fp8, head size 80): pack two per word.
+    if constexpr (S::kAsyncValues) {
+#pragma unroll
+      for (int i = 0; i < L::kVVecs; ++i) {
+        load_words<L::kVVecBytes>(stage + S::kKeyBytes + ((r * L::kVVecs + i) * 32 + lane) * L::kVVecBytes,
+                                  regs.v[r] + i * (L::kVVecBytes / 4));
+      }
+    } else {
+      // 2-byte vectors (FP8, head size 80) are below cp.async's granule: read them directly, two per word.
 #pragma unroll
       for (int x = 0; x < L::kVWords; ++x) regs.v[r][x] = 0u;
 #pragma unroll
       for (int i = 0; i < L::kVVecs; ++i) {
         uint32_t half = 0u;
-        if (valid) load_words<2>(row + (i * 8 + g) * L::kVVec * L::kElemBytes, &half);
+        if (rows.value_valid[r]) half = __ldg(reinterpret_cast<const unsigned short*>(rows.value[r] + (i * 8 + g) * 2));
         regs.v[r][i / 2] |= half << (16 * (i % 2));
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < L::kVVecs; ++i) {
-        uint32_t* dst = regs.v[r] + i * (L::kVVecBytes / 4);
-        if (valid) {
-          load_words<L::kVVecBytes>(row + ((i * 8 + g) * L::kVVec) * L::kElemBytes, dst);
-        } else {
-#pragma unroll
-          for (int x = 0; x < L::kVVecBytes / 4; ++x) dst[x] = 0u;
-        }
       }
     }
   }
@@ -261,6 +314,7 @@ __device__ __forceinline__ bool plan_cta(const PagedAttentionParams& p, int chun
     if (valid) lo_all = min(lo_all, row_lo[n]), hi_all = max(hi_all, row_hi[n]);
   }
   w.seq = seq;
+  w.block_shift = __ffs(p.block_size) - 1;
   w.lo = max(lo_all, split * split_tokens);
   w.hi = min(hi_all, (split + 1) * split_tokens);
   return true;
@@ -305,7 +359,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
   }
 
   const int seq = w.seq;
-  const float k_scale = p.k_scale.data[p.k_scale.per_head ? w.kv_head : 0];
+  // Scales apply to FP8 caches only; an unquantized cache holds the values themselves.
+  constexpr bool kFp8 = CacheTraits<C>::kIsFp8;
+  const float k_scale = kFp8 ? p.k_scale.data[p.k_scale.per_head ? w.kv_head : 0] : 1.f;
   float logit_multiplier = p.softmax_scale * k_scale;
   if constexpr (CacheTraits<C>::kIsFp8) logit_multiplier *= fp8_decode_factor<C>();
   const float soft_cap = p.logits_soft_cap;
@@ -327,19 +383,40 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
   const int32_t* block_table = p.block_tables + seq * p.block_table_stride;
   const int first_tile = (w.lo / kTileTokens) * kTileTokens;
   const int num_tiles = w.hi > w.lo ? (w.hi - first_tile + kTileTokens - 1) / kTileTokens : 0;
-  // Double-buffered register prefetch, unrolled by two so the buffers are never copied.
-  TileRegs<C, D> buf0, buf1;
-  int tile = warp;
-  if (tile < num_tiles) load_tile<C, D>(buf0, p, w, block_table, first_tile + tile * kTileTokens, lane);
-  while (tile < num_tiles) {
-    if (tile + kWarps < num_tiles) load_tile<C, D>(buf1, p, w, block_table, first_tile + (tile + kWarps) * kTileTokens, lane);
-    attend_tile<C, D>(buf0, q_frag, st, first_tile + tile * kTileTokens, lo, hi, logit_multiplier, soft_cap, lane);
-    tile += kWarps;
-    if (tile >= num_tiles) break;
-    if (tile + kWarps < num_tiles) load_tile<C, D>(buf0, p, w, block_table, first_tile + (tile + kWarps) * kTileTokens, lane);
-    attend_tile<C, D>(buf1, q_frag, st, first_tile + tile * kTileTokens, lo, hi, logit_multiplier, soft_cap, lane);
-    tile += kWarps;
+  // Warp `warp` takes tiles warp, warp + kWarps, ...; its k-th tile starts at tile_start(k).
+  const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
+  auto tile_start = [&](int k) { return first_tile + (warp + k * kWarps) * kTileTokens; };
+
+  using Stg = Staging<C, D>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* ring = smem + warp * Stg::kStages * Stg::kStageBytes;
+  const void* fallback = p.key_cache.data;  // a valid address for zero-filling copies
+  // Keep kStages - 1 tiles in flight; every iteration commits one (possibly empty) copy group, so
+  // waiting for all but the newest kStages - 1 groups means tile k has landed.
+#pragma unroll
+  for (int k = 0; k < Stg::kStages - 1; ++k) {
+    if (k < my_tiles) {
+      stage_tile<C, D>(ring + k * Stg::kStageBytes, locate_tile<C, D>(p, w, block_table, tile_start(k), lane),
+                       fallback, lane);
+    }
+    copy_async_commit();
   }
+  TileRegs<C, D> regs;
+  for (int k = 0; k < my_tiles; ++k) {
+    const int ahead = k + Stg::kStages - 1;
+    if (ahead < my_tiles) {
+      stage_tile<C, D>(ring + (ahead % Stg::kStages) * Stg::kStageBytes,
+                       locate_tile<C, D>(p, w, block_table, tile_start(ahead), lane), fallback, lane);
+    }
+    copy_async_commit();
+    copy_async_wait<Stg::kStages - 1>();
+    TileRows rows{};
+    if constexpr (!Stg::kAsyncValues) rows = locate_tile<C, D>(p, w, block_table, tile_start(k), lane);
+    read_tile<C, D>(regs, ring + (k % Stg::kStages) * Stg::kStageBytes, rows, lane);
+    attend_tile<C, D>(regs, q_frag, st, tile_start(k), lo, hi, logit_multiplier, soft_cap, lane);
+  }
+  copy_async_wait<0>();
+  __syncthreads();  // the ring is reused below for the warp merge
 
   // Each lane holds a share of the denominators: sum over lanes with equal t.
 #pragma unroll
@@ -349,8 +426,9 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
   }
 
   // Merge the warps through shared memory: acc[warp][column][dim], max and sum per (warp, column).
-  __shared__ float smem_acc[kWarps][kRows][D + 4];
-  __shared__ float smem_max[kWarps][kRows], smem_sum[kWarps][kRows];
+  auto smem_acc = reinterpret_cast<float (*)[kRows][D + 4]>(smem);
+  auto smem_max = reinterpret_cast<float (*)[kRows]>(smem + kWarps * kRows * (D + 4) * sizeof(float));
+  auto smem_sum = smem_max + kWarps;
 #pragma unroll
   for (int j = 0; j < D / 16; ++j) {
     const int d0 = L::value_dim(g, 2 * j), d1 = L::value_dim(g, 2 * j + 1);
@@ -365,7 +443,7 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
   }
   __syncthreads();
 
-  float v_scale = p.v_scale.data[p.v_scale.per_head ? w.kv_head : 0];
+  float v_scale = kFp8 ? p.v_scale.data[p.v_scale.per_head ? w.kv_head : 0] : 1.f;
   if constexpr (CacheTraits<C>::kIsFp8) v_scale *= fp8_decode_factor<C>();
   const bool out_bf16 = query_bf16;
   // 128 threads cover kRows columns x D dims, two adjacent dims per thread per pass.
@@ -402,66 +480,96 @@ __global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAt
   }
 }
 
-// Merges the splits of each (query row, head): log-sum-exp weights in fp32.
+// Merges the splits of each (query row, head) with log-sum-exp weights in fp32. One CTA per row:
+// thread s weighs split s (num_splits <= kMaxSplits), then each thread sums two dims over splits.
+constexpr int kMaxSplits = 128;
+constexpr int kMergeThreads = 128;
+
 template <int D>
-__global__ void __launch_bounds__(D / 2) merge_splits_kernel(const PagedAttentionParams p, SplitWorkspace ws) {
+__global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const PagedAttentionParams p, SplitWorkspace ws) {
+  __shared__ float weights[kMaxSplits];
+  __shared__ float partial[2][kMergeThreads / 32];
   const int64_t row = blockIdx.x;  // query_row * num_heads + head
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int s = threadIdx.x;
+  const bool has_split = s < ws.num_splits && ws.row_sum[s * ws.rows + row] > 0.f;  // 0: no keys
+  const float split_max = has_split ? ws.row_max[s * ws.rows + row] : -INFINITY;
+  float max_all = split_max;
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) max_all = fmaxf(max_all, __shfl_xor_sync(0xffffffffu, max_all, mask));
+  if (lane == 0) partial[0][warp] = max_all;
+  __syncthreads();
+  max_all = partial[0][0];
+#pragma unroll
+  for (int x = 1; x < kMergeThreads / 32; ++x) max_all = fmaxf(max_all, partial[0][x]);
+  const float weight = has_split ? fast_exp2(split_max - max_all) : 0.f;
+  float sum = has_split ? weight * ws.row_sum[s * ws.rows + row] : 0.f;
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
+  if (lane == 0) partial[1][warp] = sum;
+  if (s < ws.num_splits) weights[s] = weight;
+  __syncthreads();
+  sum = 0.f;
+#pragma unroll
+  for (int x = 0; x < kMergeThreads / 32; ++x) sum += partial[1][x];
+  const float norm = sum > 0.f ? 1.f / sum : 0.f;
+
   const int64_t query_row = row / p.num_heads;
   const int head = static_cast<int>(row % p.num_heads);
-  const int d = 2 * threadIdx.x;
-  float max_all = -INFINITY;
-  for (int s = 0; s < ws.num_splits; ++s) {
-    const int64_t slot = s * ws.rows + row;
-    if (ws.row_sum[slot] > 0.f) max_all = fmaxf(max_all, ws.row_max[slot]);
+  for (int d = 2 * threadIdx.x; d < D; d += 2 * kMergeThreads) {
+    float o0 = 0.f, o1 = 0.f;
+#pragma unroll 4
+    for (int x = 0; x < ws.num_splits; ++x) {
+      if (weights[x] == 0.f) continue;  // an empty split's acc is not read
+      const float2 a = *reinterpret_cast<const float2*>(ws.acc + (x * ws.rows + row) * D + d);
+      o0 += weights[x] * a.x;
+      o1 += weights[x] * a.y;
+    }
+    auto* out = static_cast<uint8_t*>(p.out) +
+                (query_row * p.out_token_stride + static_cast<int64_t>(head) * p.out_head_stride + d) * 2;
+    store_pair_from_float2(out, o0 * norm, o1 * norm, p.query_dtype == DType::kBFloat16);
   }
-  float sum = 0.f, o0 = 0.f, o1 = 0.f;
-  for (int s = 0; s < ws.num_splits; ++s) {
-    const int64_t slot = s * ws.rows + row;
-    const float split_sum = ws.row_sum[slot];
-    if (!(split_sum > 0.f)) continue;  // empty split: its acc was never written
-    const float weight = fast_exp2(ws.row_max[slot] - max_all);
-    sum += weight * split_sum;
-    o0 += weight * ws.acc[slot * D + d];
-    o1 += weight * ws.acc[slot * D + d + 1];
-  }
-  const float norm = sum > 0.f ? 1.f / sum : 0.f;
-  auto* out = static_cast<uint8_t*>(p.out) + (query_row * p.out_token_stride + static_cast<int64_t>(head) * p.out_head_stride + d) * 2;
-  store_pair_from_float2(out, o0 * norm, o1 * norm, p.query_dtype == DType::kBFloat16);
 }
 
-template <CacheKind C, int D>
-cudaError_t launch_for(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws,
-                       cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(plan.row_chunks), static_cast<unsigned>(plan.num_splits),
-                  static_cast<unsigned>(p.num_kv_heads));
-  paged_attention_kernel<C, D><<<grid, kThreads, 0, stream>>>(p, ws, plan.split_tokens);
-  if (plan.num_splits > 1) {
-    merge_splits_kernel<D><<<static_cast<unsigned>(ws.rows), D / 2, 0, stream>>>(p, ws);
-  }
-  return cudaGetLastError();
-}
-
-template <CacheKind C>
-cudaError_t dispatch_head_size(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws,
-                               cudaStream_t stream) {
-  switch (p.head_size) {
-    case 64: return launch_for<C, 64>(p, plan, ws, stream);
-    case 80: return launch_for<C, 80>(p, plan, ws, stream);
-    case 96: return launch_for<C, 96>(p, plan, ws, stream);
-    case 128: return launch_for<C, 128>(p, plan, ws, stream);
-    case 192: return launch_for<C, 192>(p, plan, ws, stream);
-    case 256: return launch_for<C, 256>(p, plan, ws, stream);
+// Calls fn(CacheKind constant, head-size constant) for the params' cache dtype and head size.
+template <typename Fn>
+cudaError_t dispatch(const PagedAttentionParams& p, Fn&& fn) {
+  auto with_head = [&](auto kind) -> cudaError_t {
+    switch (p.head_size) {
+      case 64: return fn(kind, std::integral_constant<int, 64>{});
+      case 80: return fn(kind, std::integral_constant<int, 80>{});
+      case 96: return fn(kind, std::integral_constant<int, 96>{});
+      case 128: return fn(kind, std::integral_constant<int, 128>{});
+      case 192: return fn(kind, std::integral_constant<int, 192>{});
+      case 256: return fn(kind, std::integral_constant<int, 256>{});
+      default: return cudaErrorInvalidValue;
+    }
+  };
+  switch (p.cache_dtype) {
+    case DType::kFloat8E4M3FN: return with_head(std::integral_constant<CacheKind, CacheKind::kE4M3FN>{});
+    case DType::kFloat8E5M2: return with_head(std::integral_constant<CacheKind, CacheKind::kE5M2>{});
+    case DType::kFloat8E4M3FNUZ: return with_head(std::integral_constant<CacheKind, CacheKind::kE4M3FNUZ>{});
+    case DType::kFloat16: return with_head(std::integral_constant<CacheKind, CacheKind::kFloat16>{});
+    case DType::kBFloat16: return with_head(std::integral_constant<CacheKind, CacheKind::kBFloat16>{});
     default: return cudaErrorInvalidValue;
   }
 }
 
+// Raises the kernel's dynamic shared memory limit (once) and returns its resident CTAs per SM.
 template <CacheKind C, int D>
-int resident_ctas_for() {
-  int ctas = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, paged_attention_kernel<C, D>, kThreads, 0) != cudaSuccess) {
-    return 1;
-  }
-  return ctas > 0 ? ctas : 1;
+int prepare_kernel() {
+  static const int resident = [] {
+    auto* kernel = paged_attention_kernel<C, D>;
+    int ctas = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Staging<C, D>::kSmemBytes) !=
+            cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads, Staging<C, D>::kSmemBytes) !=
+            cudaSuccess) {
+      return 0;
+    }
+    return ctas;
+  }();
+  return resident;
 }
 
 }  // namespace
@@ -471,45 +579,60 @@ bool paged_attention_supports_head_size(int head_size) {
          head_size == 256;
 }
 
-AttentionPlan plan_paged_attention(const PagedAttentionParams& p, int num_sms) {
-  // Occupancy of the e4m3 / head-128 kernel is representative; the plan only needs a rough count.
-  static const int resident_per_sm = resident_ctas_for<CacheKind::kE4M3FN, 128>();
+cudaError_t plan_paged_attention(const PagedAttentionParams& p, int num_sms, AttentionPlan& plan) {
+  int resident_per_sm = 0;
+  const cudaError_t status = dispatch(p, [&](auto kind, auto head) {
+    resident_per_sm = prepare_kernel<decltype(kind)::value, decltype(head)::value>();
+    return resident_per_sm > 0 ? cudaSuccess : cudaErrorInvalidConfiguration;
+  });
+  if (status != cudaSuccess) return status;
   const int group = p.num_heads / p.num_kv_heads;
   const int head_chunks = (group + kRows - 1) / kRows;
   const int tokens_per_cta = group >= kRows ? 1 : kRows / group;
-  AttentionPlan plan{};
   plan.row_chunks = p.num_query_tokens * head_chunks;
-  // CTAs that have work: decode has one per sequence and head chunk; multi-token about one per
-  // tokens_per_cta query tokens.
+  // CTAs with work: decode has one per sequence and head chunk, multi-token about one per
+  // tokens_per_cta query tokens (the others exit at once).
   const int64_t busy_chunks = p.cu_seqlens_q == nullptr
                                   ? plan.row_chunks
                                   : (p.num_query_tokens + tokens_per_cta - 1) / tokens_per_cta * head_chunks + p.num_seqs;
-  const int64_t busy_ctas = busy_chunks * p.num_kv_heads;
-  // Context known on the host without a sync: the block table's capacity.
+  const int64_t busy_ctas = std::max<int64_t>(1, busy_chunks * p.num_kv_heads);
+  const int64_t slots = static_cast<int64_t>(num_sms) * resident_per_sm;
+  // Context known without a sync: the block table's capacity.
   const int64_t capacity = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
-  constexpr int64_t kMinSplitTokens = 256;  // at least a few tiles per warp
-  const int64_t target_ctas = 2LL * num_sms * resident_per_sm;
-  int64_t splits = (target_ctas + busy_ctas - 1) / busy_ctas;
-  splits = std::max<int64_t>(1, std::min<int64_t>(splits, (capacity + kMinSplitTokens - 1) / kMinSplitTokens));
+  constexpr int64_t kMinSplitTokens = 512;  // several tiles per warp, so the pipeline fills
+  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(kMaxSplits, capacity / kMinSplitTokens));
+  // Splits = waves of equal CTAs: pick the count (up to 4 waves' worth) whose last wave is fullest,
+  // preferring fewer splits on ties.
+  int64_t best = 1;
+  double best_efficiency = 0.0;
+  const int64_t first = std::min<int64_t>(max_splits, std::max<int64_t>(1, slots / busy_ctas));
+  for (int64_t splits = first; splits <= std::min<int64_t>(max_splits, 4 * first); ++splits) {
+    const int64_t ctas = busy_ctas * splits;
+    const int64_t waves = (ctas + slots - 1) / slots;
+    const double efficiency = static_cast<double>(ctas) / static_cast<double>(waves * slots);
+    if (efficiency > best_efficiency + 0.02) best = splits, best_efficiency = efficiency;
+  }
   const int64_t tile_group = kTileTokens * kWarps;
-  int64_t split_tokens = (capacity + splits - 1) / splits;
+  int64_t split_tokens = (capacity + best - 1) / best;
   split_tokens = (split_tokens + tile_group - 1) / tile_group * tile_group;
   plan.split_tokens = static_cast<int>(std::min<int64_t>(split_tokens, INT32_MAX));
-  plan.num_splits = static_cast<int>((capacity + split_tokens - 1) / split_tokens);
-  if (plan.num_splits < 1) plan.num_splits = 1;
-  return plan;
+  plan.num_splits = static_cast<int>(std::max<int64_t>(1, (capacity + split_tokens - 1) / split_tokens));
+  return cudaSuccess;
 }
 
 cudaError_t launch_paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws,
                                    cudaStream_t stream) {
-  switch (p.cache_dtype) {
-    case DType::kFloat8E4M3FN: return dispatch_head_size<CacheKind::kE4M3FN>(p, plan, ws, stream);
-    case DType::kFloat8E5M2: return dispatch_head_size<CacheKind::kE5M2>(p, plan, ws, stream);
-    case DType::kFloat8E4M3FNUZ: return dispatch_head_size<CacheKind::kE4M3FNUZ>(p, plan, ws, stream);
-    case DType::kFloat16: return dispatch_head_size<CacheKind::kFloat16>(p, plan, ws, stream);
-    case DType::kBFloat16: return dispatch_head_size<CacheKind::kBFloat16>(p, plan, ws, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dispatch(p, [&](auto kind, auto head) {
+    constexpr CacheKind C = decltype(kind)::value;
+    constexpr int D = decltype(head)::value;
+    const dim3 grid(static_cast<unsigned>(plan.row_chunks), static_cast<unsigned>(plan.num_splits),
+                    static_cast<unsigned>(p.num_kv_heads));
+    paged_attention_kernel<C, D><<<grid, kThreads, Staging<C, D>::kSmemBytes, stream>>>(p, ws, plan.split_tokens);
+    if (plan.num_splits > 1) {
+      merge_splits_kernel<D><<<static_cast<unsigned>(ws.rows), kMergeThreads, 0, stream>>>(p, ws);
+    }
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace fp8kv::cuda
