@@ -73,8 +73,10 @@ void attend(const PagedAttentionParams& p, const WorkItem& item, int kv_head, Sc
   const int64_t q_begin = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[item.seq] : item.seq;
   const int q_len = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[item.seq + 1] - p.cu_seqlens_q[item.seq] : 1;
   const int32_t* block_table = p.block_tables + item.seq * p.block_table_stride;
-  const float k_scale = p.k_scale.data[p.k_scale.per_head ? kv_head : 0];
-  const float v_scale = p.v_scale.data[p.v_scale.per_head ? kv_head : 0];
+  // An unquantized cache holds the values themselves: scales do not apply (as in the cache write).
+  const bool quantized = is_fp8(p.cache_dtype);
+  const float k_scale = quantized ? p.k_scale.data[p.k_scale.per_head ? kv_head : 0] : 1.0f;
+  const float v_scale = quantized ? p.v_scale.data[p.v_scale.per_head ? kv_head : 0] : 1.0f;
   const float logit_scale = p.softmax_scale * k_scale;
   const bool soft_cap = p.logits_soft_cap > 0.0f;
 

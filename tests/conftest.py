@@ -1,0 +1,36 @@
+"""Shared test setup.
+
+- The `device` fixture: every op test runs on "cpu", and on "cuda" where it can.
+- The `gpu` marker: a test (or a "cuda" case of `device`) carrying it is skipped, with the reason,
+  unless a CUDA device is visible and fp8kv was built with its CUDA kernels. `pytest -m gpu`
+  selects every GPU case.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8kv
+
+
+def _cuda_unavailable_reason() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not fp8kv.has_cuda_kernels():
+        return "fp8kv was built without CUDA kernels"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _cuda_unavailable_reason()
+    if reason is None:
+        return
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    return request.param

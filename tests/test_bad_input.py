@@ -1,0 +1,232 @@
+"""Bad input: every op raises a RuntimeError naming the offending argument.
+
+Each case changes one argument of a valid call. Index checks (slot ids, block ids, sequence
+lengths, query offsets) read tensor data: the CPU backend always runs them; a device backend
+only with FP8KV_DEBUG_CHECKS=1 (reading device data would synchronize), so the CUDA cases set it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+
+import fp8kv
+
+NUM_KV_HEADS, NUM_HEADS, HEAD_SIZE, BLOCK_SIZE, NUM_BLOCKS = 2, 4, 64, 16, 6
+
+
+def reshape_and_cache_args(device) -> dict:
+    key = torch.randn(5, NUM_KV_HEADS, HEAD_SIZE, device=device, dtype=torch.bfloat16)
+    cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, device=device, dtype=torch.float8_e4m3fn)
+    return dict(key=key, value=key.clone(), key_cache=cache, value_cache=cache.clone(),
+                slot_mapping=torch.tensor([3, -1, 40, 17, 95], device=device),
+                k_scale=torch.ones(1, device=device), v_scale=torch.full((NUM_KV_HEADS,), 0.5, device=device))
+
+
+def paged_attention_args(device) -> dict:
+    """Three sequences of 1, 5 and 20 cached tokens with 1, 2 and 3 query rows."""
+    query = torch.randn(6, NUM_HEADS, HEAD_SIZE, device=device, dtype=torch.float16)
+    cache = torch.zeros(NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, device=device, dtype=torch.float8_e5m2)
+    return dict(out=torch.empty_like(query), query=query, key_cache=cache, value_cache=cache.clone(),
+                block_tables=torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32, device=device),
+                seq_lens=torch.tensor([1, 5, 20], dtype=torch.int32, device=device),
+                cu_seqlens_q=torch.tensor([0, 1, 3, 6], dtype=torch.int32, device=device),
+                softmax_scale=0.125, k_scale=torch.ones(1, device=device), v_scale=torch.ones(1, device=device),
+                sliding_window=-1, logits_soft_cap=0.0)
+
+
+def kv_amax_args(device) -> dict:
+    key = torch.randn(5, NUM_KV_HEADS, HEAD_SIZE, device=device, dtype=torch.float16)
+    return dict(key=key, value=key.clone(), k_amax=torch.zeros(1, device=device),
+                v_amax=torch.zeros(NUM_KV_HEADS, device=device))
+
+
+OPS = {"reshape_and_cache": (fp8kv.ops.reshape_and_cache, reshape_and_cache_args),
+       "paged_attention": (fp8kv.ops.paged_attention, paged_attention_args),
+       "kv_amax": (fp8kv.ops.kv_amax, kv_amax_args)}
+
+
+def edited(t: torch.Tensor, index, value) -> torch.Tensor:
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+def not_last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Same shape and values, stride 2 in the last dimension."""
+    wide = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+    wide[..., ::2] = t
+    return wide[..., ::2]
+
+
+@dataclass
+class Case:
+    op: str
+    name: str
+    change: Callable[[dict], dict]  # valid arguments -> the replaced ones
+    match: str                       # regex the error message must contain
+    reads_indices: bool = False      # an index check: on CUDA only with FP8KV_DEBUG_CHECKS=1
+
+
+R, P, A = "reshape_and_cache", "paged_attention", "kv_amax"
+CASES = [
+    # reshape_and_cache
+    Case(R, "key_dtype_int", lambda a: {"key": a["key"].int(), "value": a["value"].int()},
+         r"`key` must be float16, bfloat16 or float32"),
+    Case(R, "key_rank_2", lambda a: {"key": a["key"][:, 0], "value": a["value"][:, 0]}, r"`key` must have rank 3"),
+    Case(R, "key_last_dim_strided", lambda a: {"key": not_last_dim_contiguous(a["key"])},
+         r"`key` must be contiguous in its last dimension"),
+    Case(R, "value_shape", lambda a: {"value": a["value"][:4]}, r"`value` must have the shape of `key`"),
+    Case(R, "value_dtype", lambda a: {"value": a["value"].half()}, r"`value` must have the dtype of `key`"),
+    Case(R, "key_cache_rank_3", lambda a: {"key_cache": a["key_cache"][0], "value_cache": a["value_cache"][0]},
+         r"`key_cache` must have rank 4"),
+    Case(R, "key_cache_last_dim_strided", lambda a: {"key_cache": not_last_dim_contiguous(a["key_cache"].view(
+        torch.uint8)).view(torch.float8_e4m3fn)}, r"`key_cache` must be contiguous in its last dimension"),
+    Case(R, "key_cache_empty", lambda a: {"key_cache": a["key_cache"][:0], "value_cache": a["value_cache"][:0]},
+         r"`key_cache` must have non-empty dimensions"),
+    Case(R, "value_cache_dtype", lambda a: {"value_cache": a["value_cache"].view(torch.float8_e5m2)},
+         r"`value_cache` must have the dtype of `key_cache`"),
+    Case(R, "value_cache_shape", lambda a: {"value_cache": a["value_cache"][:3]},
+         r"`value_cache` must have the shape of `key_cache`"),
+    Case(R, "cache_dtype_int8", lambda a: {k: a[k].view(torch.int8) for k in ("key_cache", "value_cache")},
+         r"`key_cache` must be float8_e4m3fn, float8_e5m2, float8_e4m3fnuz or the dtype of `key`"),
+    Case(R, "unquantized_cache_other_dtype", lambda a: {k: torch.zeros(a[k].shape, dtype=torch.float16,
+                                                                       device=a[k].device)
+                                                        for k in ("key_cache", "value_cache")},
+         r"`key_cache` must be float8_e4m3fn, float8_e5m2, float8_e4m3fnuz or the dtype of `key`"),
+    Case(R, "cache_num_kv_heads", lambda a: {k: a[k][:, :, :1] for k in ("key_cache", "value_cache")},
+         r"`key_cache` .* must match `key`"),
+    Case(R, "slot_mapping_int32", lambda a: {"slot_mapping": a["slot_mapping"].int()}, r"`slot_mapping` must be"),
+    Case(R, "slot_mapping_rank_2", lambda a: {"slot_mapping": a["slot_mapping"].view(5, 1)},
+         r"`slot_mapping` must have rank 1"),
+    Case(R, "slot_mapping_longer_than_key", lambda a: {"slot_mapping": torch.cat([a["slot_mapping"]] * 2)},
+         r"`slot_mapping` has 10 entries but `key` has only 5"),
+    Case(R, "slot_mapping_non_contiguous", lambda a: {"slot_mapping": torch.cat([a["slot_mapping"]] * 2)[::2]},
+         r"`slot_mapping` must be contiguous"),
+    Case(R, "slot_past_the_cache", lambda a: {"slot_mapping": edited(a["slot_mapping"], 2, NUM_BLOCKS * BLOCK_SIZE)},
+         r"`slot_mapping`\[2\] = 96 is outside the cache", reads_indices=True),
+    Case(R, "k_scale_shape", lambda a: {"k_scale": torch.ones(3, device=a["key"].device)},
+         r"`k_scale` must have shape \[1\] \(per tensor\) or \[num_kv_heads\] = \[2\]"),
+    Case(R, "k_scale_rank_2", lambda a: {"k_scale": a["k_scale"].view(1, 1)}, r"`k_scale` must have shape"),
+    Case(R, "v_scale_float64", lambda a: {"v_scale": a["v_scale"].double()}, r"`v_scale` must be float32"),
+    # paged_attention
+    Case(P, "query_float32", lambda a: {"query": a["query"].float(), "out": a["out"].float()},
+         r"`query` must be float16 or bfloat16"),
+    Case(P, "query_rank_4", lambda a: {"query": a["query"][None], "out": a["out"][None]}, r"`query` must have rank 3"),
+    Case(P, "out_dtype", lambda a: {"out": a["out"].bfloat16()}, r"`out` must have the dtype of `query`"),
+    Case(P, "out_shape", lambda a: {"out": a["out"][:, :2]}, r"`out` must have the shape of `query`"),
+    Case(P, "out_last_dim_strided", lambda a: {"out": not_last_dim_contiguous(a["out"])},
+         r"`out` must be contiguous in its last dimension"),
+    Case(P, "query_last_dim_strided", lambda a: {"query": not_last_dim_contiguous(a["query"])},
+         r"`query` must be contiguous in its last dimension"),
+    Case(P, "head_ratio", lambda a: {"query": a["query"][:, :3], "out": a["out"][:, :3]},
+         r"`query` num_heads \(3\) must be a multiple of the cache's num_kv_heads \(2\)"),
+    Case(P, "cache_head_size", lambda a: {k: a[k][..., :32] for k in ("key_cache", "value_cache")},
+         r"`key_cache` head_size \(dim 3\) must equal `query` head_size 64"),
+    Case(P, "unquantized_cache_other_dtype", lambda a: {k: torch.zeros(a[k].shape, dtype=torch.bfloat16,
+                                                                       device=a[k].device)
+                                                        for k in ("key_cache", "value_cache")},
+         r"`key_cache` must be float8_e4m3fn, float8_e5m2, float8_e4m3fnuz or the dtype of `query`"),
+    Case(P, "value_cache_dtype", lambda a: {"value_cache": a["value_cache"].view(torch.float8_e4m3fn)},
+         r"`value_cache` must have the dtype of `key_cache`"),
+    Case(P, "value_cache_shape", lambda a: {"value_cache": a["value_cache"][:, :8]},
+         r"`value_cache` must have the shape of `key_cache`"),
+    Case(P, "block_tables_int64", lambda a: {"block_tables": a["block_tables"].long()},
+         r"`block_tables` must be int32"),
+    Case(P, "block_tables_rank_1", lambda a: {"block_tables": a["block_tables"].flatten()},
+         r"`block_tables` must have rank 2"),
+    Case(P, "seq_lens_length", lambda a: {"seq_lens": a["seq_lens"][:2]},
+         r"`seq_lens` must have num_seqs = 3 entries"),
+    Case(P, "seq_lens_int64", lambda a: {"seq_lens": a["seq_lens"].long()}, r"`seq_lens` must be Int"),
+    Case(P, "cu_seqlens_q_length", lambda a: {"cu_seqlens_q": a["cu_seqlens_q"][:3]},
+         r"`cu_seqlens_q` must have num_seqs \+ 1 = 4 entries"),
+    Case(P, "decode_rows_not_num_seqs", lambda a: {"cu_seqlens_q": None},
+         r"without `cu_seqlens_q` \(decode\) `query` must have one row per sequence"),
+    Case(P, "softmax_scale_zero", lambda a: {"softmax_scale": 0.0}, r"`softmax_scale` must be finite and > 0"),
+    Case(P, "softmax_scale_negative", lambda a: {"softmax_scale": -0.125}, r"`softmax_scale` must be finite and > 0"),
+    Case(P, "softmax_scale_nan", lambda a: {"softmax_scale": math.nan}, r"`softmax_scale` must be finite and > 0"),
+    Case(P, "sliding_window_zero", lambda a: {"sliding_window": 0}, r"`sliding_window` must be -1 \(none\)"),
+    Case(P, "sliding_window_below_minus_one", lambda a: {"sliding_window": -2}, r"`sliding_window` must be -1"),
+    Case(P, "soft_cap_negative", lambda a: {"logits_soft_cap": -1.0}, r"`logits_soft_cap` must be 0 \(none\)"),
+    Case(P, "soft_cap_inf", lambda a: {"logits_soft_cap": math.inf}, r"`logits_soft_cap` must be 0 \(none\)"),
+    Case(P, "k_scale_shape", lambda a: {"k_scale": torch.ones(4, device=a["query"].device)},
+         r"`k_scale` must have shape \[1\] \(per tensor\) or \[num_kv_heads\] = \[2\]"),
+    Case(P, "v_scale_float16", lambda a: {"v_scale": a["v_scale"].half()}, r"`v_scale` must be float32"),
+    Case(P, "block_id_past_num_blocks", lambda a: {"block_tables": edited(a["block_tables"], (2, 1), NUM_BLOCKS)},
+         r"`block_tables`\[2, 1\] = 6 must be a block id in \[0, num_blocks = 6\)", reads_indices=True),
+    Case(P, "block_id_negative", lambda a: {"block_tables": edited(a["block_tables"], (1, 0), -1)},
+         r"`block_tables`\[1, 0\] = -1 must be a block id", reads_indices=True),
+    Case(P, "seq_len_beyond_table", lambda a: {"seq_lens": edited(a["seq_lens"], 1, 33)},
+         r"`seq_lens`\[1\] = 33 must be in \[0, max_blocks_per_seq \* block_size = 32\]", reads_indices=True),
+    Case(P, "seq_len_negative", lambda a: {"seq_lens": edited(a["seq_lens"], 0, -1)},
+         r"`seq_lens`\[0\] = -1 must be in", reads_indices=True),
+    Case(P, "more_query_rows_than_cached_tokens", lambda a: {"seq_lens": edited(a["seq_lens"], 1, 1)},
+         r"sequence 1 has 2 query rows but `seq_lens`\[1\] = 1", reads_indices=True),
+    Case(P, "cu_seqlens_q_not_from_zero", lambda a: {"cu_seqlens_q": edited(a["cu_seqlens_q"], 0, 1)},
+         r"`cu_seqlens_q`\[0\] must be 0, got 1", reads_indices=True),
+    Case(P, "cu_seqlens_q_not_to_num_rows", lambda a: {"cu_seqlens_q": edited(a["cu_seqlens_q"], 3, 5)},
+         r"`cu_seqlens_q`\[-1\] must equal the number of query rows 6, got 5", reads_indices=True),
+    Case(P, "cu_seqlens_q_decreasing", lambda a: {"cu_seqlens_q": edited(a["cu_seqlens_q"], 2, 0)},
+         r"`cu_seqlens_q` must be non-decreasing", reads_indices=True),
+    # kv_amax
+    Case(A, "key_fp8", lambda a: {k: a[k].to(torch.float8_e4m3fn) for k in ("key", "value")},
+         r"`key` must be float16, bfloat16 or float32"),
+    Case(A, "value_shape", lambda a: {"value": a["value"][:, :1]}, r"`value` must have the shape of `key`"),
+    Case(A, "value_last_dim_strided", lambda a: {"value": not_last_dim_contiguous(a["value"])},
+         r"`value` must be contiguous in its last dimension"),
+    Case(A, "k_amax_float16", lambda a: {"k_amax": a["k_amax"].half()}, r"`k_amax` must be float32"),
+    Case(A, "v_amax_shape", lambda a: {"v_amax": torch.zeros(3, device=a["key"].device)},
+         r"`v_amax` must have shape \[1\] \(per tensor\) or \[num_kv_heads\] = \[2\]"),
+    Case(A, "v_amax_non_contiguous", lambda a: {"v_amax": torch.zeros(4, device=a["key"].device)[::2]},
+         r"`v_amax` must be contiguous"),
+]
+
+
+def call(op: str, args: dict) -> None:
+    OPS[op][0](**args)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_valid_arguments_are_accepted(device, op):
+    """The starting point of every case is a valid call (so each error comes from the change)."""
+    call(op, OPS[op][1](device))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.op}-{c.name}")
+def test_bad_argument_is_named(device, case, monkeypatch):
+    if device == "cuda" and case.reads_indices:
+        monkeypatch.setenv("FP8KV_DEBUG_CHECKS", "1")
+    args = OPS[case.op][1](device)
+    args.update(case.change(args))
+    with pytest.raises(RuntimeError, match=case.match):
+        call(case.op, args)
+
+
+def test_there_are_at_least_20_distinct_cases():
+    assert len({(c.op, c.name) for c in CASES}) == len(CASES) >= 20
+
+
+# Arguments on another device than the data: needs a CUDA device (the other device is the CPU).
+DEVICE_CASES = [
+    (R, "k_scale", r"`k_scale` must be on cuda"),
+    (R, "slot_mapping", r"`slot_mapping` must be on cuda"),
+    (R, "value_cache", r"`value_cache` must be on cuda"),
+    (P, "block_tables", r"`block_tables` must be on cuda"),
+    (P, "seq_lens", r"`seq_lens` must be on cuda"),
+    (P, "v_scale", r"`v_scale` must be on cuda"),
+    (P, "out", r"`out` must be on cuda"),
+    (A, "v_amax", r"`v_amax` must be on cuda"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op, argument, match", DEVICE_CASES, ids=[f"{c[0]}-{c[1]}" for c in DEVICE_CASES])
+def test_argument_on_the_wrong_device_is_named(op, argument, match):
+    args = OPS[op][1]("cuda")
+    args[argument] = args[argument].cpu()
+    with pytest.raises(RuntimeError, match=match):
+        call(op, args)

@@ -1,0 +1,231 @@
+"""GPU-only tests: CUDA against the CPU kernels, long contexts, split-KV, CUDA graphs.
+
+Skipped (by the `gpu` marker, see conftest.py) without a CUDA device or without fp8kv's CUDA
+kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fp8kv
+from reference import (CACHE_FORMATS, FORMAT_BY_NAME, AttentionReference, all_16bit_values, allocate_caches,
+                       assert_within, bits, cache_dtype, make_paged_attention_inputs, quantize,
+                       random_kv)
+
+pytestmark = pytest.mark.gpu
+
+NUM_KV_HEADS, HEAD_SIZE = 2, 128
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache write: CUDA and CPU store the same bytes
+# ----------------------------------------------------------------------------------------------
+
+
+def extreme_values() -> torch.Tensor:
+    """float32 specials and values at every binade edge of every format, both signs."""
+    magnitudes = [0.0, math.inf, 1e30, float(torch.finfo(torch.float32).max), float(torch.finfo(torch.float32).tiny),
+                  2.0**-149]
+    for fmt in FORMAT_BY_NAME.values():
+        magnitudes += fmt.midpoints().abs().tolist() + fmt.table[fmt.table.isfinite()].abs().tolist()
+        magnitudes += [fmt.max_finite * 1.0625, fmt.max_finite * 2, fmt.min_subnormal / 2]
+    x = torch.tensor(magnitudes, dtype=torch.float32)
+    x = torch.cat([x, torch.nextafter(x, torch.full_like(x, math.inf)), torch.nextafter(x, torch.zeros_like(x))])
+    return torch.cat([x, -x, torch.tensor([math.nan, -math.nan])])
+
+
+def source_values(source: str) -> torch.Tensor:
+    if source == "fp32":
+        generator = torch.Generator().manual_seed(0)
+        spread = torch.randn(200_000, generator=generator) * torch.pow(10.0, torch.randint(-8, 8, (200_000,),
+                                                                                          generator=generator))
+        return torch.cat([extreme_values(), spread])  # extremes first: the tail may be cut to whole tokens
+    return all_16bit_values({"fp16": torch.float16, "bf16": torch.bfloat16}[source])
+
+
+def write(x: torch.Tensor, cache_format: str, scale: torch.Tensor, layout: str, device: str):
+    """x as keys (and reversed as values) through reshape_and_cache on `device`; the caches' bits."""
+    row = NUM_KV_HEADS * HEAD_SIZE
+    num_tokens = x.numel() // row
+    key = x[: num_tokens * row].view(num_tokens, NUM_KV_HEADS, HEAD_SIZE)
+    value = key.flip(0)
+    num_blocks = -(-num_tokens // 16)
+    key_cache, value_cache = allocate_caches(num_blocks, 16, NUM_KV_HEADS, HEAD_SIZE,
+                                             cache_dtype(cache_format, x.dtype), layout, device)
+    bits(key_cache).zero_()
+    bits(value_cache).zero_()
+    slots = torch.randperm(num_blocks * 16, generator=torch.Generator().manual_seed(1))[:num_tokens]
+    fp8kv.ops.reshape_and_cache(key.to(device), value.to(device), key_cache, value_cache, slots.to(device),
+                                scale.to(device), (scale * 3).to(device))
+    return bits(key_cache).cpu(), bits(value_cache).cpu()
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("scale", ["one", "per_head"])
+@pytest.mark.parametrize("source", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("cache_format", CACHE_FORMATS)
+def test_cache_bytes_identical_to_cpu(cache_format, source, scale, layout):
+    x = source_values(source)
+    scales = torch.ones(1) if scale == "one" else torch.tensor([0.0123, 3.7])
+    cpu, cuda = write(x, cache_format, scales, layout, "cpu"), write(x, cache_format, scales, layout, "cuda")
+    for name, a, b in zip(("key_cache", "value_cache"), cpu, cuda):
+        differ = (a != b).sum().item()
+        assert differ == 0, f"{name}: {differ} elements differ between CPU and CUDA"
+
+
+@pytest.mark.parametrize("cache_format", ["e4m3fn", "e5m2", "e4m3fnuz"])
+def test_cache_bytes_follow_the_reference_encoding(cache_format):
+    """Independently of the CPU kernel: CUDA's codes are the reference encoding of x / s."""
+    fmt = FORMAT_BY_NAME[cache_format]
+    x = source_values("fp32")
+    scale = torch.tensor([0.0123, 3.7])
+    row = NUM_KV_HEADS * HEAD_SIZE
+    key = x[: x.numel() // row * row].view(-1, NUM_KV_HEADS, HEAD_SIZE)
+    key_cache = torch.empty(key.shape[0], 1, NUM_KV_HEADS, HEAD_SIZE, dtype=fmt.dtype, device="cuda")
+    value_cache = torch.empty_like(key_cache)
+    fp8kv.ops.reshape_and_cache(key.cuda(), key.cuda(), key_cache, value_cache,
+                                torch.arange(key.shape[0], device="cuda"), scale.cuda(), scale.cuda())
+    expected = quantize(key, scale, fmt)
+    assert torch.equal(key_cache.view(torch.uint8).cpu()[:, 0], expected)
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention: CUDA against the reference and the CPU kernel
+# ----------------------------------------------------------------------------------------------
+
+ATTENTION_CASES = [
+    # cache_format, query dtype, decode, per_head, layout, window, soft_cap, head_size, block_size, gqa
+    ("e4m3fn", torch.bfloat16, True, True, "HND", -1, 0.0, 128, 16, 4),
+    ("e5m2", torch.float16, True, False, "NHD", 40, 0.0, 64, 32, 8),
+    ("e4m3fnuz", torch.bfloat16, False, True, "interleaved", -1, 5.0, 256, 16, 1),
+    ("none", torch.float16, False, False, "NHD", 33, 0.0, 96, 8, 4),
+    ("e4m3fn", torch.float16, False, True, "NHD", 100, 3.0, 80, 128, 8),
+    ("none", torch.bfloat16, True, True, "HND", -1, 2.0, 192, 16, 1),
+    ("e4m3fn", torch.bfloat16, True, False, "NHD", -1, 0.0, 192, 32, 4),
+]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_attention_matches_cpu_and_reference(case):
+    cache_format, dtype, decode, per_head, layout, window, soft_cap, head_size, block_size, gqa = case
+    seq_lens = [1, 700, 0, 2 * block_size + 3, 3000] if decode else [1, 700, 2 * block_size + 3, 3000]
+    q_lens = None if decode else [1, 30, 2 * block_size + 3, 64]
+    outputs = {}
+    for device in ("cpu", "cuda"):  # the same inputs (same seed) on each device
+        inputs = make_paged_attention_inputs(
+            seq_lens=seq_lens, q_lens=q_lens, num_heads=NUM_KV_HEADS * gqa, num_kv_heads=NUM_KV_HEADS,
+            head_size=head_size, block_size=block_size, cache_format=cache_format, query_dtype=dtype,
+            per_head_scales=per_head, layout=layout, sliding_window=window, logits_soft_cap=soft_cap,
+            strided=True, seed=5, device=device)
+        outputs[device] = inputs.run().cpu()
+    reference = inputs.reference()
+    cpu, cuda = outputs["cpu"], outputs["cuda"]
+    assert_within(cuda, reference, "CUDA vs reference")
+    assert_within(cpu, reference, "CPU vs reference")
+    # Both within the bound of the reference, so within twice the bound of each other.
+    assert_within(cuda, AttentionReference(cpu.double(), 2 * reference.bound), "CUDA vs CPU")
+
+
+@pytest.mark.parametrize("head_size", [32, 112, 512])
+def test_unsupported_head_size_is_named(head_size):
+    inputs = make_paged_attention_inputs(
+        seq_lens=[5], q_lens=None, num_heads=2, num_kv_heads=1, head_size=head_size, block_size=16,
+        cache_format="e4m3fn", query_dtype=torch.float16, per_head_scales=False, device="cuda")
+    with pytest.raises(RuntimeError, match="head_size"):
+        inputs.run()
+
+
+def relative_error(inputs) -> float:
+    out, reference = inputs.run(), inputs.reference()
+    assert_within(out, reference, f"seq_len {inputs.seq_lens.tolist()}")
+    return ((out.double() - reference.out).norm() / reference.out.norm()).item()
+
+
+def test_long_context_error_does_not_grow():
+    """e4m3fn decode at 131072 tokens: relative error against the float64 reference no worse than
+    1.5x the error at 4096 tokens (fp32 accumulation; same K/V/q distribution)."""
+    errors = {}
+    for seq_len in (4096, 131072):
+        inputs = make_paged_attention_inputs(
+            seq_lens=[seq_len], q_lens=None, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+            cache_format="e4m3fn", query_dtype=torch.float16, per_head_scales=True, seed=2, device="cuda")
+        errors[seq_len] = relative_error(inputs)
+    assert errors[131072] <= 1.5 * errors[4096], errors
+
+
+@pytest.mark.parametrize("seq_len", [1, 255, 256, 257, 511, 512, 513, 4095, 4097, 20000, 65537])
+def test_split_kv_single_sequence(seq_len):
+    """Batch 1: the kernel splits the context over many thread blocks; every split boundary must
+    merge exactly (per-head scales, GQA 8)."""
+    inputs = make_paged_attention_inputs(
+        seq_lens=[seq_len], q_lens=None, num_heads=16, num_kv_heads=2, head_size=128, block_size=16,
+        cache_format="e4m3fn", query_dtype=torch.bfloat16, per_head_scales=True, seed=seq_len, device="cuda")
+    assert_within(inputs.run(), inputs.reference(), f"seq_len {seq_len}")
+
+
+def test_split_kv_chunked_prefill():
+    """Multi-token queries at the end of a long context, next to short sequences."""
+    inputs = make_paged_attention_inputs(
+        seq_lens=[20000, 3, 9000], q_lens=[16, 3, 1], num_heads=16, num_kv_heads=2, head_size=128, block_size=16,
+        cache_format="e5m2", query_dtype=torch.float16, per_head_scales=True, sliding_window=5000, seed=3,
+        device="cuda")
+    assert_within(inputs.run(), inputs.reference(), "chunked prefill")
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA graphs
+# ----------------------------------------------------------------------------------------------
+
+
+def test_cuda_graph_replay_follows_new_scales_and_inputs():
+    """Capture reshape_and_cache + paged_attention once; replays must read the scales, the new
+    token's K/V and the query from device memory as they are at replay time."""
+    seq_lens = [1, 40, 300]
+    inputs = make_paged_attention_inputs(
+        seq_lens=seq_lens, q_lens=None, num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+        cache_format="e4m3fn", query_dtype=torch.bfloat16, per_head_scales=True, layout="HND", device="cuda")
+    fmt = FORMAT_BY_NAME["e4m3fn"]
+    tables = inputs.block_tables.cpu().long()
+    last = torch.tensor(seq_lens) - 1
+    slots = (tables[torch.arange(3), last // 16] * 16 + last % 16).cuda()  # each sequence's newest token
+    generator = torch.Generator().manual_seed(9)
+    key = random_kv(3, 2, 128, generator).to(torch.bfloat16).cuda()
+    value = random_kv(3, 2, 128, generator).to(torch.bfloat16).cuda()
+    out = torch.empty_like(inputs.query)
+
+    def step():
+        fp8kv.ops.reshape_and_cache(key, value, inputs.key_cache, inputs.value_cache, slots, inputs.k_scale,
+                                    inputs.v_scale)
+        fp8kv.ops.paged_attention(out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
+                                  inputs.seq_lens, None, inputs.softmax_scale, inputs.k_scale, inputs.v_scale)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    def replay_and_check(what: str) -> torch.Tensor:
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        written = inputs.key_cache.view(torch.uint8)[slots // 16, slots % 16].cpu()
+        assert torch.equal(written, quantize(key.cpu(), inputs.k_scale.cpu(), fmt)), f"{what}: cache write"
+        assert_within(out, inputs.reference(), what)
+        return out.clone()
+
+    first = replay_and_check("first replay")
+    inputs.k_scale.mul_(1.5)
+    inputs.v_scale.copy_(inputs.v_scale * torch.tensor([0.5, 2.0], device="cuda"))
+    second = replay_and_check("replay after changing k_scale and v_scale in place")
+    assert not torch.equal(first, second), "the replay used the new scales"
+    key.copy_(key.flip(0))
+    inputs.query.mul_(-1)
+    replay_and_check("replay after changing key and query in place")

@@ -1,0 +1,217 @@
+"""fp8kv.ops.paged_attention against the float64 reference in reference.py.
+
+The reference reads the same cache bytes (dequantized with the test's own tables), so only the
+kernel's fp32 arithmetic and the output rounding separate the two; the bound is derived in
+reference.paged_attention_reference. Every cache slot no query may see holds NaN codes, and `out`
+starts as NaN, so reading a masked slot or skipping an output element fails.
+
+The grids take every combination of the axes that change the arithmetic most and add the other
+axes so that every pair of values of any two axes occurs (see covering_grid).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import fp8kv
+from reference import (CACHE_FORMATS, CACHE_LAYOUTS, FORMAT_BY_NAME, AttentionReference, allocate_caches,
+                       assert_within, calibrated_scales, fill_nan, make_paged_attention_inputs,
+                       paged_attention_reference, add_output_rounding, paged_block_tables,
+                       quantization_error_bound, quantization_spacing, random_kv)
+
+HEAD_SIZES = [64, 80, 96, 128, 256]
+BLOCK_SIZES = [8, 16, 32, 128]
+GQA_RATIOS = [1, 4, 8]
+QUERY_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+NUM_KV_HEADS = 2
+SOFT_CAP = 2.0
+
+
+def covering_grid(full: dict[str, list], paired: dict[str, list]) -> list[dict]:
+    """Every combination of the `full` axes, each extended with values of the `paired` axes chosen
+    greedily so that every pair of values of any two axes occurs in some case."""
+    def pairs(case):
+        return {((a, case[a]), (b, case[b])) for a, b in itertools.combinations(case, 2)}
+
+    cases = [dict(zip(full, values)) for values in itertools.product(*full.values())]
+    covered = set().union(*map(pairs, cases))
+    for name, values in paired.items():
+        for i, case in enumerate(cases):
+            rotated = values[i % len(values):] + values[:i % len(values)]  # spreads ties
+            case[name] = max(rotated, key=lambda value: len(pairs({**case, name: value}) - covered))
+            covered |= pairs(case)
+    axes = {**full, **paired}
+    wanted = {((a, x), (b, y)) for a, b in itertools.combinations(axes, 2) for x in axes[a] for y in axes[b]}
+    assert wanted <= covered, f"grid misses pairs {sorted(wanted - covered)[:5]}"
+    return cases
+
+
+def case_id(case: dict) -> str:
+    parts = []
+    for name, value in case.items():
+        if isinstance(value, bool):
+            parts.append(name if value else f"no_{name}")
+        elif name in ("head_size", "block_size", "gqa"):
+            parts.append(f"{name.split('_')[0][0]}{value}" if name != "gqa" else f"gqa{value}")
+        else:
+            parts.append(str(value))
+    return "-".join(parts)
+
+
+DECODE_CASES = covering_grid(
+    {"cache_format": CACHE_FORMATS, "head_size": HEAD_SIZES, "block_size": BLOCK_SIZES},
+    {"gqa": GQA_RATIOS, "dtype": list(QUERY_DTYPES), "per_head": [False, True], "layout": CACHE_LAYOUTS,
+     "window": [False, True], "soft_cap": [False, True], "strided": [False, True], "padding_row": [False, True]})
+
+VARLEN_CASES = covering_grid(
+    {"cache_format": CACHE_FORMATS, "gqa": GQA_RATIOS, "dtype": list(QUERY_DTYPES), "layout": CACHE_LAYOUTS},
+    {"head_size": HEAD_SIZES, "block_size": BLOCK_SIZES, "per_head": [False, True], "window": [False, True],
+     "soft_cap": [False, True], "strided": [False, True]})
+
+
+def sliding_window(case: dict) -> int:
+    """A window that starts mid-block and leaves whole blocks of the longer sequences behind it."""
+    return case["block_size"] + 5 if case["window"] else -1
+
+
+def run_case(case: dict, seq_lens: list[int], q_lens: list[int] | None, device: str, seed: int) -> None:
+    inputs = make_paged_attention_inputs(
+        seq_lens=seq_lens, q_lens=q_lens, num_heads=NUM_KV_HEADS * case["gqa"], num_kv_heads=NUM_KV_HEADS,
+        head_size=case["head_size"], block_size=case["block_size"], cache_format=case["cache_format"],
+        query_dtype=QUERY_DTYPES[case["dtype"]], per_head_scales=case["per_head"], layout=case["layout"],
+        sliding_window=sliding_window(case), logits_soft_cap=SOFT_CAP if case["soft_cap"] else 0.0,
+        strided=case["strided"], seed=seed, device=device)
+    assert_within(inputs.run(), inputs.reference(), case_id(case))
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=case_id)
+def test_decode(device, case):
+    """One query token per sequence: a single token, exactly one block, a partial block past
+    several blocks, a long sequence; optionally a padding row (seq_len 0, output zeros)."""
+    index = DECODE_CASES.index(case)
+    b = case["block_size"]
+    seq_lens = [1, b, 2 * b + 3, 3 * b + 37 + 13 * (index % 11)]
+    if case["padding_row"]:
+        seq_lens.insert(2, 0)
+    run_case(case, seq_lens, None, device, seed=index)
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=case_id)
+def test_varlen_causal(device, case):
+    """Multi-token queries (cu_seqlens_q): a one-token prompt, a whole 20-token prompt (more rows
+    than one CPU work chunk), a chunked-prefill continuation, a sequence with no query rows,
+    and a long sequence with 17 new tokens."""
+    index = VARLEN_CASES.index(case)
+    b = case["block_size"]
+    seq_lens = [1, 20, 2 * b + 7, b, 3 * b + 11]
+    q_lens = [1, 20, 5, 0, 17]
+    run_case(case, seq_lens, q_lens, device, seed=1000 + index)
+
+
+@pytest.mark.parametrize("cache_format", CACHE_FORMATS)
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "varlen"])
+def test_multi_query_attention(device, cache_format, decode):
+    """One KV head shared by 8 query heads."""
+    inputs = make_paged_attention_inputs(
+        seq_lens=[5, 40], q_lens=None if decode else [3, 9], num_heads=8, num_kv_heads=1, head_size=128,
+        block_size=16, cache_format=cache_format, query_dtype=torch.bfloat16, per_head_scales=True,
+        device=device, seed=3)
+    assert_within(inputs.run(), inputs.reference(), "MQA")
+
+
+@pytest.mark.parametrize("cache_format", ["e4m3fn", "none"])
+def test_table_entries_outside_the_window_are_not_read(device, cache_format):
+    """Entries that no query reads (before the sliding window, past seq_len) may hold anything,
+    here -1 (validation must not reject them and the kernel must not follow them)."""
+    inputs = make_paged_attention_inputs(
+        seq_lens=[100, 7], q_lens=None, num_heads=4, num_kv_heads=NUM_KV_HEADS, head_size=64, block_size=16,
+        cache_format=cache_format, query_dtype=torch.float16, per_head_scales=False, sliding_window=20,
+        device=device, seed=4)
+    expected = inputs.reference()  # read through the valid (poisoned) entries
+    tables = inputs.block_tables.clone()
+    tables[0, :(100 - 20) // 16] = -1  # blocks wholly before the window of the last token
+    tables[0, -(-100 // 16):] = -1     # past seq_len
+    tables[1, 1:] = -1
+    inputs.block_tables = tables
+    assert_within(inputs.run(), expected, "-1 table entries")
+
+
+@pytest.mark.parametrize("query_dtype", list(QUERY_DTYPES))
+def test_seq_len_zero_rows_are_zero(device, query_dtype):
+    """A batch of decode rows that are all padding: every output element is exactly 0."""
+    inputs = make_paged_attention_inputs(
+        seq_lens=[0, 0, 0], q_lens=None, num_heads=4, num_kv_heads=NUM_KV_HEADS, head_size=128, block_size=16,
+        cache_format="e4m3fn", query_dtype=QUERY_DTYPES[query_dtype], per_head_scales=False, device=device)
+    out = inputs.run()
+    assert bool((out == 0).all())
+
+
+# ----------------------------------------------------------------------------------------------
+# End to end: reshape_and_cache from float32 K/V, then attention, against the original K/V
+# ----------------------------------------------------------------------------------------------
+
+
+def placed(x: torch.Tensor, slots: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
+    """float64 logical cache holding x [n, H, D] at `slots` and NaN elsewhere."""
+    cache = torch.full((num_blocks, block_size, *x.shape[1:]), math.nan, dtype=torch.float64)
+    cache[slots // block_size, slots % block_size] = x.double()
+    return cache
+
+
+@pytest.mark.parametrize("cache_format", ["e4m3fn", "e5m2", "e4m3fnuz"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["per_tensor", "per_head"])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "varlen"])
+def test_end_to_end_error_follows_the_format_precision(device, cache_format, per_head, decode):
+    """Write float32 K/V with calibrated scales, attend, and compare with float64 attention over
+    the ORIGINAL K/V. The allowed error is the quantization bound (reference.
+    quantization_error_bound: each element is off by at most half the FP8 grid spacing, i.e. a
+    relative 2^-4 for e4m3, 2^-3 for e5m2 (relative steps 2^-3, 2^-2), statistically combined)
+    plus the kernel bound over the quantized values."""
+    fmt = FORMAT_BY_NAME[cache_format]
+    generator = torch.Generator().manual_seed(11)
+    num_kv_heads, num_heads, head_size, block_size = 2, 8, 128, 16
+    seq_lens, q_lens = [1, 37, 300], [1, 1, 1] if decode else [1, 12, 30]
+    tables, num_blocks, _, slot_lists = paged_block_tables(seq_lens, q_lens, block_size, -1, generator)
+    slots = torch.cat(slot_lists)
+    key, value = (random_kv(len(slots), num_kv_heads, head_size, generator) for _ in range(2))
+    k_scale = calibrated_scales(key, cache_format, per_head, generator)
+    v_scale = calibrated_scales(value, cache_format, per_head, generator)
+    key_cache, value_cache = allocate_caches(num_blocks, block_size, num_kv_heads, head_size, fmt.dtype, "NHD",
+                                             device)
+    fill_nan(key_cache)
+    fill_nan(value_cache)
+    fp8kv.ops.reshape_and_cache(key.to(device), value.to(device), key_cache, value_cache, slots.to(device),
+                                k_scale.to(device), v_scale.to(device))
+    query = torch.randn(sum(q_lens), num_heads, head_size, generator=generator).to(torch.float16)
+    cu_seqlens_q = None if decode else torch.tensor([0, 1, 13, 43], dtype=torch.int32)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+
+    def attend(v_scale_used):
+        out = torch.full_like(query, math.nan).to(device)
+        fp8kv.ops.paged_attention(out, query.to(device), key_cache, value_cache, tables.to(device),
+                                  seq_lens_t.to(device), None if decode else cu_seqlens_q.to(device),
+                                  head_size**-0.5, k_scale.to(device), v_scale_used.to(device))
+        return out
+
+    def cache_of(x):
+        return placed(x, slots, num_blocks, block_size)
+
+    common = (tables, seq_lens_t, cu_seqlens_q, head_size**-0.5)
+    exact = paged_attention_reference(query, cache_of(key), cache_of(value), *common)
+    quantization = quantization_error_bound(
+        query, cache_of(key), cache_of(value), cache_of(quantization_spacing(key, k_scale, fmt) / 2),
+        cache_of(quantization_spacing(value, v_scale, fmt) / 2), *common)
+    dequantized = [cache_of(fmt.table[fmt.encode(x.float() / s.view(-1, 1)).long()] * s.double().view(-1, 1))
+                   for x, s in ((key, k_scale), (value, v_scale))]
+    kernel = add_output_rounding(paged_attention_reference(query, *dequantized, *common), torch.float16)
+    bound = quantization + kernel.bound
+    # The bound must be informative: well below the output itself.
+    allowed = AttentionReference(exact.out, bound)
+    assert_within(attend(v_scale), allowed, "end to end")
+    # Control: the bound is tight enough to reject a pipeline with a wrong (doubled) V scale.
+    with pytest.raises(AssertionError, match="outside the bound"):
+        assert_within(attend(2 * v_scale), allowed, "doubled v_scale")
