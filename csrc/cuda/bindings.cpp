@@ -24,12 +24,15 @@ void check_launch(cudaError_t status, const char* op) {
   TORCH_CHECK(status == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(status));
 }
 
-void check_aligned(const char* op, const char* name, const void* ptr, std::initializer_list<int64_t> strides,
-                   int64_t element_bytes) {
-  bool ok = reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-  for (int64_t s : strides) ok = ok && (s * element_bytes) % 16 == 0;
-  TORCH_CHECK(ok, op, ": on CUDA, `", name, "` must start on a 16-byte boundary and have strides that are ",
+// The attention kernels stage 16-byte vectors and address within a block with 32-bit arithmetic.
+void check_cache_strides(const char* op, const char* name, const void* ptr, std::initializer_list<int64_t> strides,
+                         int64_t element_bytes) {
+  bool aligned = reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+  bool small = true;
+  for (int64_t s : strides) aligned = aligned && (s * element_bytes) % 16 == 0, small = small && s * element_bytes < INT32_MAX;
+  TORCH_CHECK(aligned, op, ": on CUDA, `", name, "` must start on a 16-byte boundary and have strides that are ",
               "multiples of 16 bytes (true for NHD, HND and interleaved K/V allocations)");
+  TORCH_CHECK(small, op, ": on CUDA, `", name, "` strides must be below 2^31 bytes");
 }
 
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
@@ -54,10 +57,14 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
               ": on CUDA, head_size must be one of 64, 80, 96, 128, 192, 256, got ", p.head_size);
   TORCH_CHECK(p.block_size >= 8 && p.block_size <= 256 && (p.block_size & (p.block_size - 1)) == 0, op,
               ": on CUDA, block_size (`key_cache` dim 1) must be a power of two in [8, 256], got ", p.block_size);
+  const int64_t capacity = block_tables.size(1) * key_cache.size(1);
+  TORCH_CHECK(capacity <= cuda::paged_attention_max_context(p.block_size), op, ": on CUDA, `block_tables` capacity ",
+              "(max_blocks_per_seq * block_size = ", capacity, ") must be at most ",
+              cuda::paged_attention_max_context(p.block_size), " for block_size ", p.block_size);
   const int64_t cache_bytes = key_cache.element_size();
-  check_aligned(op, "key_cache", p.key_cache.data, {p.key_cache.block_stride, p.key_cache.token_stride,
+  check_cache_strides(op, "key_cache", p.key_cache.data, {p.key_cache.block_stride, p.key_cache.token_stride,
                 p.key_cache.head_stride}, cache_bytes);
-  check_aligned(op, "value_cache", p.value_cache.data, {p.value_cache.block_stride, p.value_cache.token_stride,
+  check_cache_strides(op, "value_cache", p.value_cache.data, {p.value_cache.block_stride, p.value_cache.token_stride,
                 p.value_cache.head_stride}, cache_bytes);
   // Queries are read and outputs written as pairs of 16-bit elements.
   TORCH_CHECK(reinterpret_cast<uintptr_t>(p.query) % 4 == 0 && p.query_token_stride % 2 == 0 &&

@@ -26,6 +26,8 @@ struct SplitWorkspace {
 };
 
 bool paged_attention_supports_head_size(int head_size);
+// Longest block-table capacity (max_blocks_per_seq * block_size) the kernels accept.
+int64_t paged_attention_max_context(int block_size);
 // Chooses the split count from shapes and occupancy (also prepares the kernel's launch attributes).
 cudaError_t plan_paged_attention(const PagedAttentionParams& p, int num_sms, AttentionPlan& plan);
 cudaError_t launch_paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws,

@@ -1,0 +1,36 @@
+// Tiling constants of the CUDA paged-attention kernels, shared by the kernels and the host planner.
+#pragma once
+
+#include <algorithm>
+
+#include "launchers.h"
+#include "device_utils.cuh"
+
+namespace fp8kv::cuda::attention {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileTokens = 16;
+constexpr int kRows = 8;              // query rows per CTA: the mma's N
+inline constexpr float kRescaleSlack = 8.0f;  // lazy rescale: P may grow to 2^8 before the max is moved
+inline constexpr float kLog2e = 1.4426950408889634f;
+
+// Block-table entries a CTA stages (caps split_tokens at (kMaxPages - 2) * block_size).
+constexpr int kMaxPages = 2048;
+// Splits one merge CTA handles (one thread per split).
+constexpr int kMaxSplits = 256;
+constexpr int kMergeThreads = kMaxSplits;
+
+inline int pages_bytes(const AttentionPlan& plan, int block_size) {
+  const int pages = std::min(kMaxPages, plan.split_tokens / block_size + 2);
+  return (pages * 4 + 15) / 16 * 16;
+}
+
+// Defined per cache format in paged_attention_<format>.cu.
+template <CacheKind C>
+cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws, cudaStream_t stream);
+// Raises the kernel's dynamic shared-memory limit (once) and returns its resident CTAs per SM (0 on error).
+template <CacheKind C>
+int prepare(int head_size);
+
+}  // namespace fp8kv::cuda::attention
