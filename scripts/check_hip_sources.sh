@@ -6,7 +6,9 @@
 #   2. csrc/hip/bindings.cpp syntax-checked against the installed torch's headers (a CPU build is
 #      fine: the file uses only c10's device-generic API);
 #   3. csrc/hip/check_fp8_unpack.cpp built and run on the host: the kernels' FP8 unpacking equals the
-#      shared codec for every code.
+#      shared codec for every code;
+#   4. the kernels' unmodified sources built against a host emulation of HIP (csrc/hip/emulation) and
+#      run against independent references: cache bytes exact, amax exact, attention vs float64.
 # Installs Debian's hipcc when missing (needs root and apt). Nothing is linked against ROCm torch and
 # nothing runs on a GPU: see docs/amd.md.
 set -euo pipefail
@@ -52,4 +54,11 @@ echo "bindings: $(elapsed "$start")"
 
 g++ -std=c++17 -O2 -Wall -Werror csrc/hip/check_fp8_unpack.cpp -o "$out/check_fp8_unpack"
 "$out/check_fp8_unpack"
+
+start=$(now)
+echo "g++ (HIP kernels on the host emulation): csrc/hip/*.hip + csrc/hip/emulation/run_kernels.cpp"
+g++ -std=c++20 -O1 -pthread -Wall -Werror -Wno-unknown-pragmas -Icsrc/hip/emulation \
+  -x c++ csrc/hip/*.hip -x none csrc/hip/emulation/run_kernels.cpp -o "$out/run_kernels"
+"$out/run_kernels"
+echo "emulation: $(elapsed "$start")"
 echo "HIP sources compile"
