@@ -3,7 +3,8 @@
 - FP8 formats built from their definitions (sign, exponent bias, mantissa bits, special codes): a
   decode table of all 256 codes and a saturating round-to-nearest-even encoder. Neither uses fp8kv
   nor torch's float8 casts.
-- A float64 paged-attention reference with the error bound a correct fp32 kernel must meet.
+- A float64 paged-attention reference with the error bound a correct kernel must meet, and the
+  bound quantization adds (for end-to-end tests against the unquantized K/V).
 - Builders of paged caches (layouts, poisoned unused slots) and attention inputs, shared by the
   CPU and CUDA tests.
 """
@@ -247,40 +248,84 @@ def _attend_sequences(query, key_values, value_values, block_tables, seq_lens, c
 def paged_attention_reference(query: torch.Tensor, key_values: torch.Tensor, value_values: torch.Tensor,
                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
                               cu_seqlens_q: torch.Tensor | None, softmax_scale: float,
-                              sliding_window: int = -1, logits_soft_cap: float = 0.0) -> AttentionReference:
+                              sliding_window: int = -1, logits_soft_cap: float = 0.0,
+                              product_dtype: torch.dtype | None = None) -> AttentionReference:
     """Attention in float64 over float64 caches (scales already applied, e.g. by cache_values),
-    and the bound on a correct fp32 kernel's error before the output's rounding.
+    and the bound on a correct kernel's error before the output's rounding.
 
     The kernel computes in fp32 (unit roundoff u = 2^-24) from the same dequantized values, so
-    quantization does not enter. Per output row, with D = head_size, n = number of visible keys,
-    S = max over visible keys j of softmax_scale * sum_i |q_i k_ij|, c = soft cap:
+    quantization does not enter. A tensor-core kernel (FlashAttention-style, like fp8kv's CUDA
+    kernel: docs/cuda_decode_design.md) may also convert q to the 16-bit `product_dtype` of its
+    matrix products and round the probabilities P to it before P.V; eta is that type's unit
+    roundoff (2^-11 for fp16, 2^-9 for bf16; 0 for product_dtype None: no such rounding).
+    Per output row, with D = head_size, n = number of visible keys, c = soft cap,
+    S = max over visible keys j of softmax_scale * sum_i |q_i k_ij|:
     - each logit is off by at most (D + 2) u S (dot product in any summation order, the product
-      with the folded scale); the soft cap adds 4 u c (tanh, division, product); subtracting the
-      running max and exp add (2 S + 2) u relative to the weight (also covers exp2 with a folded
-      log2(e), and __expf's |x|-proportional error); online-softmax rescaling adds 3 u per key
-      tile (<= n tiles). So every unnormalized weight is p_j * exp(theta_j) with
-      |theta_j| <= delta = ((D + 16) S + 4 c + 3 n + 16) u;
+      with the folded scale), plus Q = max_j softmax_scale * sum_i |dq_i| |k_ij| where dq is q's
+      conversion error (0 unless a bf16 q lies in fp16's subnormal range); the soft cap adds
+      4 u c (tanh, division, product); subtracting the running max and exp add (2 S + 2) u
+      relative to the weight (also covers exp2 with a folded log2(e), approximate exp2, __expf);
+      online-softmax rescaling adds 3 u per key tile or split (<= n); rounding P adds eta. So
+      every unnormalized weight is p_j * exp(theta_j) with
+      |theta_j| <= delta = ((D + 16) S + 4 c + 3 n + 16) u + Q + eta;
     - normalizing, each weight w_j is off by at most expm1(2 delta) w_j;
+    - except that a P in product_dtype's subnormal range is off by up to half its spacing h
+      (2^-25 for fp16) absolutely: with p_j relative to the row's max (sum_j p_j = 1 / max_j w_j;
+      a running max only makes the kernel's P larger), numerator and denominator add at most
+      h * max_j w_j * (sum over subnormal j of |v_j| + their count * |ref|);
     - the sums sum_j p_j v_j and sum_j p_j (any order, with rescaling), the final division and the
-      products with v_scale add (4 n + 16) u relative to sum_j w_j |v_j|;
-    So |kernel before rounding - ref| <= E = (expm1(2 delta) + (4 n + 16) u) * M with
-    M = sum_j w_j |v_j| per element, to first order in u (second-order terms are ~2^-40).
-    add_output_rounding adds the final rounding to fp16/bf16.
+      products with v_scale add (4 n + 16) u relative to M = sum_j w_j |v_j| (per element).
+    So |kernel before rounding - ref| <= (expm1(2 delta) + (4 n + 16) u) * M + the subnormal
+    term, to first order in u (second-order terms are ~2^-40). add_output_rounding adds the final
+    rounding to fp16/bf16.
     """
     u = FLOAT32_UNIT_ROUNDOFF
+    eta = torch.finfo(product_dtype).eps / 2 if product_dtype is not None else 0.0
     head_size = query.shape[2]
     out = torch.zeros(query.shape, dtype=torch.float64, device=key_values.device)
     error = torch.zeros_like(out)
     for a in _attend_sequences(query, key_values, value_values, block_tables, seq_lens, cu_seqlens_q,
                                softmax_scale, sliding_window, logits_soft_cap):
         out[a.rows] = a.out
-        magnitude = softmax_scale * torch.einsum("thd,nhd->htn", a.q.abs(), a.k.abs())
-        s_max = magnitude.masked_fill(~a.visible, 0).amax(-1)                      # [H, t]
-        n = a.visible.sum(-1).double()                                             # [t]
-        delta = ((head_size + 16) * s_max + 4 * logits_soft_cap + 3 * n + 16) * u
-        relative = torch.expm1(2 * delta) + (4 * n + 16) * u                      # [H, t]
-        error[a.rows] = relative.t().unsqueeze(-1) * torch.einsum("htn,nhd->thd", a.weights, a.v.abs())
+        k_abs, v_abs = a.k.abs(), a.v.abs()
+        magnitude = softmax_scale * torch.einsum("thd,nhd->htn", a.q.abs(), k_abs)
+        s_max = magnitude.masked_fill(~a.visible, 0).amax(-1)                          # [H, t]
+        n = a.visible.sum(-1).double()                                                 # [t]
+        delta = ((head_size + 16) * s_max + 4 * logits_soft_cap + 3 * n + 16) * u + eta
+        if product_dtype is not None:
+            delta = delta + _query_conversion_error(a, product_dtype, softmax_scale, k_abs)
+        relative = torch.expm1(2 * delta) + (4 * n + 16) * u                          # [H, t]
+        error[a.rows] = relative.t().unsqueeze(-1) * torch.einsum("htn,nhd->thd", a.weights, v_abs)
+        if product_dtype is not None:
+            error[a.rows] += _subnormal_probability_error(a, product_dtype, v_abs)
     return AttentionReference(out, error)
+
+
+def _query_conversion_error(a: _SequenceAttention, product_dtype, softmax_scale, k_abs) -> torch.Tensor:
+    """[H, t]: max over visible keys of the logit error from converting q to product_dtype."""
+    q_conversion = (a.q - a.q.to(product_dtype).double()).abs()
+    assert bool(q_conversion.isfinite().all()), "query outside the product dtype's range"
+    q_error = softmax_scale * torch.einsum("thd,nhd->htn", q_conversion, k_abs)
+    return q_error.masked_fill(~a.visible, 0).amax(-1)
+
+
+def _subnormal_probability_error(a: _SequenceAttention, product_dtype, v_abs) -> torch.Tensor:
+    """[t, H, D]: error from probabilities below product_dtype's normal range."""
+    info = torch.finfo(product_dtype)
+    max_weight = a.weights.amax(-1, keepdim=True)                                      # [H, t, 1]
+    subnormal = ((a.weights < max_weight * info.tiny) & a.visible).double()           # p_j subnormal
+    count = subnormal.sum(-1).t().unsqueeze(-1)                                        # [t, H, 1]
+    spill = torch.einsum("htn,nhd->thd", subnormal, v_abs) + count * a.out.abs()
+    return info.eps / 2 * info.tiny * max_weight.squeeze(-1).t().unsqueeze(-1) * spill
+
+
+def kernel_product_dtype(cache: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit type the kernel for `cache`'s device may round q and P to for its matrix
+    products: none for the CPU kernel (fp32 throughout); for the CUDA kernel the tensor-core type,
+    fp16 (FP8 and fp16 values are exact in it), or bf16 for a bf16 cache."""
+    if cache.device.type == "cpu":
+        return None
+    return torch.bfloat16 if cache.dtype == torch.bfloat16 else torch.float16
 
 
 def add_output_rounding(reference: AttentionReference, out_dtype: torch.dtype) -> AttentionReference:
@@ -382,7 +427,7 @@ class PagedAttentionInputs:
         reference = paged_attention_reference(
             self.query, cache_values(self.key_cache, self.k_scale), cache_values(self.value_cache, self.v_scale),
             self.block_tables, self.seq_lens, self.cu_seqlens_q, self.softmax_scale, self.sliding_window,
-            self.logits_soft_cap)
+            self.logits_soft_cap, kernel_product_dtype(self.key_cache))
         return add_output_rounding(reference, self.query.dtype)
 
 

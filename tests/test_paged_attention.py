@@ -19,7 +19,7 @@ import torch
 
 import fp8kv
 from reference import (CACHE_FORMATS, CACHE_LAYOUTS, FORMAT_BY_NAME, AttentionReference, allocate_caches,
-                       assert_within, calibrated_scales, fill_nan, make_paged_attention_inputs,
+                       assert_within, calibrated_scales, fill_nan, kernel_product_dtype, make_paged_attention_inputs,
                        paged_attention_reference, add_output_rounding, paged_block_tables,
                        quantization_error_bound, quantization_spacing, random_kv)
 
@@ -207,7 +207,8 @@ def test_end_to_end_error_follows_the_format_precision(device, cache_format, per
         cache_of(quantization_spacing(value, v_scale, fmt) / 2), *common)
     dequantized = [cache_of(fmt.table[fmt.encode(x.float() / s.view(-1, 1)).long()] * s.double().view(-1, 1))
                    for x, s in ((key, k_scale), (value, v_scale))]
-    kernel = add_output_rounding(paged_attention_reference(query, *dequantized, *common), torch.float16)
+    kernel = add_output_rounding(paged_attention_reference(
+        query, *dequantized, *common, product_dtype=kernel_product_dtype(key_cache)), torch.float16)
     bound = quantization + kernel.bound
     # The bound must be informative: well below the output itself.
     allowed = AttentionReference(exact.out, bound)
