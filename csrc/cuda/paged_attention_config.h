@@ -8,7 +8,19 @@
 
 namespace fp8kv::cuda::attention {
 
-constexpr int kWarps = 4;
+// FP8KV_ATTENTION_WARPS / FP8KV_ATTENTION_STAGES exist for tuning experiments (scratch lab builds).
+#ifndef FP8KV_ATTENTION_WARPS
+#define FP8KV_ATTENTION_WARPS 4
+#endif
+#ifndef FP8KV_ATTENTION_STAGES
+#define FP8KV_ATTENTION_STAGES 2
+#endif
+#ifndef FP8KV_ATTENTION_MIN_CTAS
+#define FP8KV_ATTENTION_MIN_CTAS 1
+#endif
+constexpr int kWarps = FP8KV_ATTENTION_WARPS;
+constexpr int kMaxStages = FP8KV_ATTENTION_STAGES;  // tiles staged per warp (kMaxStages - 1 in flight)
+constexpr int kMinCtasPerSm = FP8KV_ATTENTION_MIN_CTAS;  // register cap via __launch_bounds__
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileTokens = 16;
 constexpr int kRows = 8;              // query rows per CTA: the mma's N

@@ -142,7 +142,7 @@ struct Staging {
   static constexpr int kValueBytes = kAsyncValues ? 32 * 4 * L::kVBytes : 0;
   static constexpr int kStageBytes = kKeyBytes + kValueBytes;
   static constexpr int kRingBudget = 96 * 1024;  // per CTA
-  static constexpr int kStages = std::max(2, std::min(4, kRingBudget / (kWarps * kStageBytes)));
+  static constexpr int kStages = std::max(2, std::min(kMaxStages, kRingBudget / (kWarps * kStageBytes)));
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
   static constexpr int kMergeBytes = (kWarps * kRows * (D + 4) + 2 * kWarps * kRows) * 4;
   static constexpr int kPagesOffset = std::max(kRingBytes, kMergeBytes);
@@ -229,8 +229,9 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
   constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
   const int g = lane / 4;
 
-  // S^T (16 tokens x 8 columns) = K (16 x D) . Q^T (D x 8).
-  float s[4] = {0.f, 0.f, 0.f, 0.f};
+  // S^T (16 tokens x 8 columns) = K (16 x D) . Q^T (D x 8), in two independent accumulation chains
+  // (even and odd k-steps) so consecutive tensor-core ops do not wait on each other.
+  float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int step = 0; step < L::kSteps; ++step) {
     uint32_t a[4];
@@ -241,8 +242,10 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
       a[0] = regs.k[0][2 * step], a[2] = regs.k[0][2 * step + 1];
       a[1] = regs.k[1][2 * step], a[3] = regs.k[1][2 * step + 1];
     }
-    mma_16x8x16<kBf16>(s, a, q_frag[step][0], q_frag[step][1]);
+    mma_16x8x16<kBf16>(step % 2 == 0 ? s : s_odd, a, q_frag[step][0], q_frag[step][1]);
   }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) s[i] += s_odd[i];
 
   // Logits in the log2 domain: s[i] is token g + 8 * (i / 2), column 2t + i % 2. Only tiles at the
   // edges of the rows' ranges need the mask (`interior` is uniform across the warp).
@@ -360,7 +363,7 @@ __device__ __forceinline__ bool plan_cta(const PagedAttentionParams& p, int chun
 }
 
 template <CacheKind C, int D>
-__global__ void __launch_bounds__(kThreads) paged_attention_kernel(const PagedAttentionParams p, SplitWorkspace ws,
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kernel(const PagedAttentionParams p, SplitWorkspace ws,
                                                                    int split_tokens) {
   using L = Layout<C, D>;
   constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
