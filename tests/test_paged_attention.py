@@ -23,7 +23,7 @@ from reference import (CACHE_FORMATS, CACHE_LAYOUTS, FORMAT_BY_NAME, AttentionRe
                        paged_attention_reference, add_output_rounding, paged_block_tables,
                        quantization_error_bound, quantization_spacing, random_kv)
 
-HEAD_SIZES = [64, 80, 96, 128, 256]
+HEAD_SIZES = [64, 80, 96, 128, 192, 256]  # 192: also a CUDA head size
 BLOCK_SIZES = [8, 16, 32, 128]
 GQA_RATIOS = [1, 4, 8]
 QUERY_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
