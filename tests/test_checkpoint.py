@@ -492,3 +492,52 @@ def test_every_problem_is_reported_at_once(tmp_path):
         load_kv_cache_config(tmp_path, "fp8_e4m3fn")
     assert len(info.value.problems) >= 2
     assert K0 in str(info.value) and "model.layers.1.self_attn.v_scale" in str(info.value)
+
+
+# ----------------------------------------------------------------------------- inspect command
+
+
+def test_inspect_prints_per_head_scales(tmp_path, capsys):
+    from fp8kv.cli import main
+
+    config_json = llama_config(quantization_config=compressed_tensors_config("attn_head"))
+    write_checkpoint(tmp_path, config=config_json, tensors=scale_tensors(K_HEADS, V_HEADS, shape="heads11"))
+    assert main(["inspect", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "compressed-tensors kv_cache_scheme (strategy attn_head)" in out
+    assert "per KV head" in out and "no problems found" in out
+    assert "0.5 0.25 0.125 0.0625" in out and "model.layers.0.self_attn.k_scale" in out
+    assert "0.5 0.5 0.25 6" in out and "model.layers.1.self_attn.v_scale" in out
+
+
+def test_inspect_lists_every_problem_and_fails(tmp_path, capsys):
+    from fp8kv.cli import main
+
+    tensors = scale_tensors(K, V)
+    tensors[K0] = torch.tensor(-1.0)
+    tensors["model.layers.1.self_attn.v_scale"] = torch.ones(3)
+    write_checkpoint(tmp_path, tensors=tensors)
+    assert main(["inspect", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "2 problem(s)" in out
+    assert f"{tmp_path / 'model.safetensors'}: {K0}: value -1.0 must be finite and > 0" in out
+    assert "model.layers.1.self_attn.v_scale: shape [3]" in out
+
+
+def test_inspect_without_scales_and_with_legacy_json(tmp_path, capsys):
+    from fp8kv.cli import main
+
+    write_checkpoint(tmp_path / "plain")
+    assert main(["inspect", str(tmp_path / "plain")]) == 0
+    assert "no KV cache scales: an e4m3 cache would use 1.0" in capsys.readouterr().out
+    write_checkpoint(tmp_path / "json", legacy_json=legacy_json({0: {0: 0.25, 1: 0.5}}, dtype="float8_e4m3fnuz"))
+    assert main(["inspect", str(tmp_path / "json")]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated for:  float8_e4m3fnuz" in out and "rank 0: 0.25 0.5" in out
+
+
+def test_inspect_missing_directory_fails(tmp_path, capsys):
+    from fp8kv.cli import main
+
+    assert main(["inspect", str(tmp_path / "nowhere")]) == 1
+    assert "is not a checkpoint directory" in capsys.readouterr().out

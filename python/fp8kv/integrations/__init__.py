@@ -1,0 +1,1 @@
+"""Integrations of fp8kv's paged FP8 KV cache into model libraries (`fp8kv.integrations.transformers`)."""
