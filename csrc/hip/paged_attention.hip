@@ -401,7 +401,11 @@ const char* paged_attention_unsupported(const PagedAttentionParams& p) {
   if (p.head_size % kDimsPerLane != 0 || p.head_size > kMaxHeadSize) {
     return "head_size must be a multiple of 8 and at most 256";
   }
-  if (static_cast<int64_t>(p.num_kv_heads) * head_tiles(p) > kMaxGridY) return "too many KV heads";
+  // HIP grid limits: blocks * threads below 2^32 along x, 65535 along y.
+  if (p.num_query_tokens * kMaxHeadSize >= (int64_t{1} << 32)) return "num_query_tokens must be below 2^24";
+  if (p.num_heads > kMaxGridY || static_cast<int64_t>(p.num_kv_heads) * head_tiles(p) > kMaxGridY) {
+    return "too many heads for one grid (at most 65535 query heads)";
+  }
   return nullptr;
 }
 
