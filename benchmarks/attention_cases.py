@@ -1,0 +1,181 @@
+"""Paged FP8 caches with random contents, the naive dequantize path, SDPA, and float32 references:
+what the decode and prefill benchmarks share. Everything here runs on CPU as well as CUDA.
+
+Data: K and V are N(0, 1) and N(0, 4) after dequantization (codes = clamp(x / scale) in e4m3, with
+power-of-two scales so that dequantizing in bf16 is exact), queries are N(0, 1) in bf16. Block
+tables are a random permutation of the blocks. Cache slots past seq_len in a sequence's last page
+hold NaN codes, as stale slots may in a serving engine: a kernel that lets them reach the output
+produces NaN and fails the correctness check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
+
+CACHE_DTYPE = torch.float8_e4m3fn
+QUERY_DTYPE = torch.bfloat16
+K_SCALE, V_SCALE = 2.0**-6, 2.0**-5  # powers of two: code * scale is exact in bf16
+NAN_CODE = 0x7F  # e4m3fn NaN
+RANDOM_CHUNK = 1 << 26  # elements drawn per randn call, bounds the float32 temporary (256 MiB)
+REFERENCE_CHUNK_BYTES = 2 << 30  # float32 working set of one reference chunk
+
+
+def random_codes(shape: tuple[int, ...], scale: float, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """e4m3 codes of N(0, 1) samples quantized with `scale` (saturating, round to nearest even)."""
+    codes = torch.empty(shape, dtype=CACHE_DTYPE, device=device)
+    flat = codes.view(-1)
+    fmax = torch.finfo(CACHE_DTYPE).max
+    for start in range(0, flat.numel(), RANDOM_CHUNK):
+        n = min(RANDOM_CHUNK, flat.numel() - start)
+        x = torch.randn(n, generator=gen, device=device, dtype=torch.float32)
+        # Clamping before the cast keeps out-of-range values finite on every torch version.
+        flat[start:start + n] = (x / scale).clamp_(-fmax, fmax).to(CACHE_DTYPE)
+    return codes
+
+
+@dataclasses.dataclass
+class PagedCache:
+    """One random FP8 paged cache in NHD and HND storage, as fp8kv's logical views
+    [num_blocks, block_size, num_kv_heads, head_size]."""
+
+    key_nhd: torch.Tensor
+    value_nhd: torch.Tensor
+    key_hnd: torch.Tensor
+    value_hnd: torch.Tensor
+    block_tables: torch.Tensor  # int32 [batch, blocks_per_seq]
+    seq_lens: torch.Tensor  # int32 [batch]
+    seq_len: int  # every sequence has this length
+    k_scale: torch.Tensor  # float32 [1]
+    v_scale: torch.Tensor
+
+    @property
+    def block_size(self) -> int:
+        return self.key_nhd.shape[1]
+
+    def layout(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return {"NHD": (self.key_nhd, self.value_nhd), "HND": (self.key_hnd, self.value_hnd)}[name]
+
+
+def hnd_storage(cache: torch.Tensor) -> torch.Tensor:
+    """The same logical cache stored head-major: [blocks, heads, block, dim] memory, permuted back."""
+    return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+
+
+def poison_tail(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int) -> None:
+    """Writes NaN codes into the slots past seq_len of each sequence's last page."""
+    offset = seq_len % cache.shape[1]
+    if offset:
+        cache.view(torch.uint8)[block_tables[:, -1].long(), offset:] = NAN_CODE
+
+
+def make_paged_cache(batch: int, seq_len: int, num_kv_heads: int, head_size: int, block_size: int,
+                     gen: torch.Generator, device: torch.device) -> PagedCache:
+    blocks_per_seq = math.ceil(seq_len / block_size)
+    num_blocks = batch * blocks_per_seq
+    shape = (num_blocks, block_size, num_kv_heads, head_size)
+    block_tables = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32).view(batch, -1)
+    key, value = random_codes(shape, K_SCALE, gen, device), random_codes(shape, V_SCALE, gen, device)
+    for cache in (key, value):
+        poison_tail(cache, block_tables, seq_len)
+    return PagedCache(
+        key_nhd=key, value_nhd=value, key_hnd=hnd_storage(key), value_hnd=hnd_storage(value),
+        block_tables=block_tables,
+        seq_lens=torch.full((batch,), seq_len, dtype=torch.int32, device=device),
+        seq_len=seq_len,
+        k_scale=torch.tensor([K_SCALE], dtype=torch.float32, device=device),
+        v_scale=torch.tensor([V_SCALE], dtype=torch.float32, device=device),
+    )
+
+
+def gather_dequantize(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int,
+                      scale: torch.Tensor) -> torch.Tensor:
+    """The naive path's first half: gather each sequence's pages and convert them to bf16.
+
+    Returns a [batch, num_kv_heads, seq_len, head_size] bf16 view (token-major memory)."""
+    batch, blocks_per_seq = block_tables.shape
+    _, block_size, num_kv_heads, head_size = cache.shape
+    pages = cache.view(torch.uint8)[block_tables.reshape(-1).long()].view(cache.dtype)
+    values = pages.to(torch.bfloat16) * scale.to(torch.bfloat16)
+    values = values.reshape(batch, blocks_per_seq * block_size, num_kv_heads, head_size)[:, :seq_len]
+    return values.transpose(1, 2)
+
+
+def bf16_paged_cache(cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """The dequantized values in an unquantized (bf16) paged cache of the same geometry."""
+    values = cache.to(torch.bfloat16)
+    values.mul_(scale)
+    return values
+
+
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                 "math": SDPBackend.MATH}
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, softmax_scale: float,
+         backend: str) -> torch.Tensor:
+    """Causal (aligned to the end of the keys) attention with one SDPA backend, no fallback.
+
+    query [B, Hq, Lq, D], key/value [B, Hkv, L, D]; Lq = 1 is decode."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if q_len == 1:
+        mask, is_causal = None, False
+    elif q_len == kv_len:
+        mask, is_causal = None, True
+    else:
+        mask, is_causal = causal_lower_right(q_len, kv_len), False
+    with sdpa_kernel([SDPA_BACKENDS[backend]]):
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal,
+                                              scale=softmax_scale, enable_gqa=query.shape[1] != key.shape[1])
+
+
+def first_working_sdpa_backend(query, key, value, softmax_scale, candidates=("flash", "efficient")) -> str:
+    """The first backend, in order, that runs this problem; raises naming each backend's refusal."""
+    refusals = []
+    for backend in candidates:
+        try:
+            sdpa(query, key, value, softmax_scale, backend)
+            return backend
+        except RuntimeError as exc:
+            refusals.append(f"{backend}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}")
+    raise RuntimeError("no SDPA backend runs this problem (" + "; ".join(refusals) + ")")
+
+
+def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        softmax_scale: float) -> torch.Tensor:
+    """float32 attention, causal aligned to the end of the keys, in batch chunks.
+
+    query [B, Hq, Lq, D]; key/value [B, Hkv, L, D] (the exact dequantized cache values).
+    Returns [B, Hq, Lq, D] float32."""
+    batch, num_heads, q_len, head_size = query.shape
+    num_kv_heads, kv_len = key.shape[1], key.shape[2]
+    group = num_heads // num_kv_heads
+    visible = (torch.arange(kv_len, device=query.device)[None, :]
+               <= (kv_len - q_len + torch.arange(q_len, device=query.device))[:, None])
+    per_sequence = 4 * (num_heads * q_len * kv_len * 2 + 2 * num_kv_heads * kv_len * head_size)
+    chunk = max(1, REFERENCE_CHUNK_BYTES // per_sequence)
+    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    for b in range(0, batch, chunk):
+        q = query[b:b + chunk].float().reshape(-1, num_kv_heads, group * q_len, head_size)
+        k, v = key[b:b + chunk].float(), value[b:b + chunk].float()
+        logits = torch.matmul(q, k.transpose(-1, -2)) * softmax_scale  # [b, Hkv, group * Lq, L]
+        logits = logits.view(-1, num_kv_heads, group, q_len, kv_len).masked_fill(~visible, -math.inf)
+        probs = torch.softmax(logits, dim=-1).view(-1, num_kv_heads, group * q_len, kv_len)
+        out[b:b + chunk] = torch.matmul(probs, v).view(-1, num_heads, q_len, head_size)
+    return out
+
+
+def random_query(num_tokens: int, num_heads: int, head_size: int, gen: torch.Generator,
+                 device: torch.device) -> torch.Tensor:
+    return torch.randn(num_tokens, num_heads, head_size, generator=gen, device=device).to(QUERY_DTYPE)
+
+
+def attention_flops(batch: int, q_len: int, seq_len: int, num_heads: int, head_size: int) -> int:
+    """Multiply-adds x 2 of QK^T and PV over the causally visible keys (no masked work counted)."""
+    visible_keys = q_len * (seq_len - q_len) + q_len * (q_len + 1) // 2
+    return 4 * head_size * num_heads * batch * visible_keys
