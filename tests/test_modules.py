@@ -12,6 +12,15 @@ from fp8kv.cache import BlockAllocator, CacheFullError, PagedKVCache, bytes_per_
 from fp8kv.checkpoint import CheckpointError
 from fp8kv.formats import KVCacheConfig, KVCacheDtype
 
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    # Tiny tensors: a second intra-op thread only adds synchronization on a 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]
 FORMATS = list(KVCacheDtype)

@@ -2,6 +2,8 @@
 
 from . import ops
 from ._ops import has_cuda_kernels
+from .attention import PagedAttention, map_checkpoint_scale_names
+from .cache import BatchMetadata, BlockAllocator, CacheFullError, PagedKVCache, capacity_report
 from .checkpoint import CheckpointError, load_kv_cache_config, read_checkpoint_scales
 from .formats import KVCacheConfig, KVCacheDtype
 
@@ -13,5 +15,12 @@ __all__ = [
     "load_kv_cache_config",
     "read_checkpoint_scales",
     "CheckpointError",
+    "PagedKVCache",
+    "BlockAllocator",
+    "BatchMetadata",
+    "CacheFullError",
+    "capacity_report",
+    "PagedAttention",
+    "map_checkpoint_scale_names",
 ]
 __version__ = "0.1.0"
