@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs every benchmark on the GPU machine in one call and leaves the results under $OUT:
-#   $OUT/all.log                  everything printed (the tables come last in each section)
+#   $OUT/all.log                  everything printed (each benchmark's table ends its section)
 #   $OUT/results.tar              per-benchmark JSON, PNG and log
 #   $OUT/paged_attention.png      the decode plot, for a quick look
 # Carry .whl (FlashInfer's trimmed wheel and apache-tvm-ffi). Usage, from the repository root:
@@ -10,7 +10,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/fp8kv-bench-out}"
 RESULTS=/tmp/fp8kv-bench
-mkdir -p "$OUT" "$RESULTS"
 QUICK=""
 BUILD=1
 for arg in "$@"; do
@@ -20,33 +19,44 @@ for arg in "$@"; do
     *) echo "unknown argument: $arg" >&2; exit 2 ;;
   esac
 done
+mkdir -p "$OUT" "$RESULTS"
 export PYTHONUNBUFFERED=1
-exec > >(tee "$OUT/all.log") 2>&1
 
-if compgen -G ".whl/*.whl" > /dev/null; then
+install_wheels() {
+  if ! compgen -G ".whl/*.whl" > /dev/null; then
+    echo "no .whl/ wheels carried: FlashInfer columns will be disabled"
+    return
+  fi
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} || echo "installing .whl/*.whl failed: FlashInfer columns will say why"
-else
-  echo "no .whl/ wheels carried: FlashInfer columns will be disabled"
-fi
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
-if [ "$BUILD" = 1 ]; then
-  start=$(date +%s)
-  FP8KV_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a bash scripts/dev_install.sh || { echo "fp8kv build failed"; exit 1; }
-  echo "fp8kv build: $(( $(date +%s) - start )) s"
-fi
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} \
+    || echo "installing .whl/*.whl failed: FlashInfer columns will say why"
+}
 
 run() {  # name, command...
-  local name=$1; shift
+  local name=$1 start
+  shift
   echo "=== $name: $*"
-  local start=$(date +%s)
+  start=$(date +%s)
   "$@" 2>&1 | tee "$RESULTS/$name.log"
   echo "=== $name: exit ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s"
 }
-run flashinfer_smoke python3 benchmarks/flashinfer_baseline.py
-for bench in paged_attention prefill reshape_and_cache kv_amax; do
-  run "$bench" python3 "benchmarks/bench_$bench.py" $QUICK --json "$RESULTS/$bench.json" --png "$RESULTS/$bench.png"
-done
-tar -cf "$OUT/results.tar" -C "$RESULTS" .
-[ -f "$RESULTS/paged_attention.png" ] && cp "$RESULTS/paged_attention.png" "$OUT/"
-echo "results: $OUT/results.tar"
+
+main() {
+  install_wheels
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  if [ "$BUILD" = 1 ]; then
+    local start
+    start=$(date +%s)
+    FP8KV_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0a bash scripts/dev_install.sh || { echo "fp8kv build failed"; return 1; }
+    echo "fp8kv build: $(( $(date +%s) - start )) s"
+  fi
+  run flashinfer_smoke python3 benchmarks/flashinfer_baseline.py
+  for bench in paged_attention prefill reshape_and_cache kv_amax; do
+    run "$bench" python3 "benchmarks/bench_$bench.py" $QUICK --json "$RESULTS/$bench.json" --png "$RESULTS/$bench.png"
+  done
+  tar -cf "$OUT/results.tar" -C "$RESULTS" .
+  if [ -f "$RESULTS/paged_attention.png" ]; then cp "$RESULTS/paged_attention.png" "$OUT/"; fi
+  echo "results: $OUT/results.tar"
+}
+
+main 2>&1 | tee "$OUT/all.log"
