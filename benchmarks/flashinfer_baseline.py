@@ -156,4 +156,7 @@ def _smoke_test() -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description="FlashInfer smoke test on the GPU: " + _smoke_test.__doc__).parse_args()
     _smoke_test()

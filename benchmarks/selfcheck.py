@@ -383,7 +383,7 @@ def test_table_alignment():
 
 
 @pytest.mark.parametrize("script", ["bench_paged_attention.py", "bench_prefill.py", "bench_reshape_and_cache.py",
-                                    "bench_kv_amax.py", "plot.py", "flashinfer_wheel.py"])
+                                    "bench_kv_amax.py", "plot.py", "flashinfer_wheel.py", "flashinfer_baseline.py"])
 def test_scripts_print_help(script):
     result = subprocess.run([sys.executable, str(HERE / script), "--help"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
