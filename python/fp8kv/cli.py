@@ -67,7 +67,10 @@ def _demo(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    fmt = KVCacheDtype.parse(args.kv_cache_dtype)
+    try:
+        fmt = KVCacheDtype.parse(args.kv_cache_dtype)
+    except ValueError as e:
+        raise SystemExit(f"--kv-cache-dtype: {e}") from None
     if not fmt.is_fp8:
         raise SystemExit(f"--kv-cache-dtype must name an FP8 format, got {args.kv_cache_dtype!r}")
     model = _demo_model(device)
