@@ -294,3 +294,11 @@ def test_demo_runs_and_reports(capsys):
     assert int(rows["float8_e4m3fn"][1].replace(",", "")) == 2 * 32 * 4 * 2 * 2 * 64
     assert "top-1 identical (teacher forced)" in out and "transformers' eager attention" in out
     assert "Llama-3-8B geometry  bf16      131,072   float8_e4m3fn      262,144  (2.0x)" in out
+
+
+def test_custom_4d_masks_are_refused():
+    model = enable(tiny_model("llama", torch.bfloat16, "cpu"))
+    ids, _ = prompt("cpu")
+    mask = torch.zeros(2, 1, PROMPT_LEN, PROMPT_LEN, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="padding masks only, got a 4-D mask"):
+        model(ids, attention_mask=mask, past_key_values=PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=64))

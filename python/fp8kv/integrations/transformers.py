@@ -65,6 +65,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         )
     if dropout:
         raise ValueError("fp8kv attention is for inference: dropout must be 0")
+    if getattr(module, "sinks", None) is not None or kwargs.get("is_causal") is False:
+        raise NotImplementedError("fp8kv attention is causal softmax attention: no attention sinks, no bidirectional")
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise NotImplementedError(f"fp8kv attention takes padding masks only, got a {attention_mask.dim()}-D mask")
     cache, layer_idx = handle
     return cache.attend(layer_idx, query, key, value, attention_mask, scaling, sliding_window, softcap), None
 
