@@ -15,11 +15,6 @@ import argparse
 import json
 import pathlib
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-
 
 def column_of(row: dict, source: str) -> dict:
     if source.startswith("@"):
@@ -42,6 +37,11 @@ def draw_bars(ax, labels: list[str], series: dict[str, list[float]]) -> None:
 
 
 def plot_results(payload: dict, png: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
     spec, rows = payload["plot"], payload["rows"]
     labels = [row["label"] for row in rows]
     series = {label: series_values(rows, source, spec["metric"]) for label, source in spec["series"]}

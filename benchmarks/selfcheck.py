@@ -12,6 +12,7 @@ page description, PASS/MISS judgement on synthetic rows, and JSON + PNG output f
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import pathlib
@@ -33,12 +34,13 @@ import bench_prefill as prefill  # noqa: E402
 import bench_reshape_and_cache as write  # noqa: E402
 import common  # noqa: E402
 import flashinfer_baseline  # noqa: E402
-import plot  # noqa: E402
 
 CPU = torch.device("cpu")
 MiB = 1 << 20
 ops, ops_reason = common.load_fp8kv(require_cuda=False)
 needs_fp8kv = pytest.mark.skipif(ops is None, reason=ops_reason)
+needs_matplotlib = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="matplotlib is not installed (the PNG output needs it)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,6 +360,7 @@ def synthetic_payload(name, metric, rows, series, relative_to=None):
 
 
 @pytest.mark.parametrize("which", ["decode", "write"])
+@needs_matplotlib
 def test_json_and_png_outputs(tmp_path, which):
     if which == "decode":
         rows = [synthetic_decode_row(decode.DecodeShape(b, 4096), us_for(decode.DecodeShape(b, 4096), 2.5), 900.0, 700.0)
@@ -449,6 +452,7 @@ def run_main(module, monkeypatch, tmp_path, *flags):
 
 
 @needs_fp8kv
+@needs_matplotlib
 def test_decode_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path, capsys):
     shapes = [decode.DecodeShape(2, 64, 8, 2, 32, block_size=16), decode.DecodeShape(2, 64, 4, 4, 32, block_size=16)]
     monkeypatch.setattr(decode, "issue_shapes", lambda: shapes)
@@ -467,6 +471,7 @@ def test_decode_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path, capsys):
 
 
 @needs_fp8kv
+@needs_matplotlib
 def test_prefill_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path):
     shapes = [prefill.PrefillShape("chunked", 2, 8, 24, 4, 2, 32), prefill.PrefillShape("verify", 3, 4, 20, 4, 2, 32)]
     monkeypatch.setattr(prefill, "issue_shapes", lambda: shapes)
@@ -480,6 +485,7 @@ def test_prefill_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path):
 
 
 @needs_fp8kv
+@needs_matplotlib
 def test_write_and_amax_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path):
     monkeypatch.setattr(write, "issue_shapes", lambda: [write.WriteShape(96, 2, 32, 8), write.WriteShape(96, 2, 32, 8, fused_qkv=True)])
     payload = run_main(write, monkeypatch, tmp_path)
