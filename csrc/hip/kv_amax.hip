@@ -44,7 +44,7 @@ __device__ uint32_t rows_abs_max(const typename Src::Storage* base, int64_t toke
 template <typename Src>
 __global__ __launch_bounds__(kThreads) void kv_amax_kernel(AmaxParams p, int64_t tokens_per_workgroup,
                                                            bool vectorized) {
-  __shared__ uint32_t wave_max[kWaves];
+  __shared__ uint32_t wave_maxima[kWaves];
   const int head = blockIdx.y;
   const bool is_value = blockIdx.z == 1;
   const int64_t first = blockIdx.x * tokens_per_workgroup;
@@ -56,10 +56,10 @@ __global__ __launch_bounds__(kThreads) void kv_amax_kernel(AmaxParams p, int64_t
   uint32_t amax = vectorized ? rows_abs_max<kVec, Src>(base, token_stride, first, last, p.head_size)
                              : rows_abs_max<1, Src>(base, token_stride, first, last, p.head_size);
   amax = wave_max_bits(amax);
-  if (threadIdx.x % kWaveSize == 0) wave_max[threadIdx.x / kWaveSize] = amax;
+  if (threadIdx.x % kWaveSize == 0) wave_maxima[threadIdx.x / kWaveSize] = amax;
   __syncthreads();
   if (threadIdx.x == 0) {
-    for (int w = 1; w < kWaves; ++w) amax = max(amax, wave_max[w]);
+    for (int w = 1; w < kWaves; ++w) amax = max(amax, wave_maxima[w]);
     const HeadScalars& running = is_value ? p.v_amax : p.k_amax;
     atomic_nan_max(running.data + (running.per_head ? head : 0), bits_float(amax));
   }

@@ -20,17 +20,15 @@ inline __device__ float nan_float() { return bits_float(0x7FC00000u); }
 // max that propagates NaN from either side (calibration must see a NaN input).
 inline __device__ float nan_max(float a, float b) { return (a != a || b != b) ? nan_float() : fmaxf(a, b); }
 
-// Butterfly reductions over `width` consecutive lanes (a power of two <= 64); every lane gets the result.
-template <int kWidth = kWaveSize>
-__device__ float wave_sum(float x) {
-  for (int offset = kWidth / 2; offset > 0; offset /= 2) x += __shfl_xor(x, offset);
+// Butterfly reductions over the wavefront; every lane gets the result.
+inline __device__ float wave_sum(float x) {
+  for (int offset = kWaveSize / 2; offset > 0; offset /= 2) x += __shfl_xor(x, offset);
   return x;
 }
 
 // NaN-ignoring max, like std::max in the CPU softmax.
-template <int kWidth = kWaveSize>
-__device__ float wave_max(float x) {
-  for (int offset = kWidth / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor(x, offset));
+inline __device__ float wave_max(float x) {
+  for (int offset = kWaveSize / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor(x, offset));
   return x;
 }
 
