@@ -184,12 +184,13 @@ def _scales(per_head, num_kv_heads, base, fmt):
 @pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16])
 def test_paged_attention_over_steps_matches_float64_reference(device, fmt, layout, num_heads, num_kv_heads,
                                                              per_head, model_dtype):
-    head_size, block_size, num_layers = 16, 4, 2
+    # Head size 64 and 8-token blocks: supported by the CUDA kernels too; sequences span several blocks.
+    head_size, block_size, num_layers = 64, 8, 2
     generator = torch.Generator().manual_seed(0)
     # Scales put |x / s| up to ~4 / 0.02 = 200: inside every format's range, e4m3fnuz's 240 included.
     config = KVCacheConfig(fmt, [_scales(per_head, num_kv_heads, 0.02 * (layer + 1), fmt) for layer in range(num_layers)],
                            [_scales(per_head, num_kv_heads, 0.03, fmt) for _ in range(num_layers)])
-    cache = PagedKVCache(config, num_kv_heads=num_kv_heads, head_size=head_size, num_blocks=24,
+    cache = PagedKVCache(config, num_kv_heads=num_kv_heads, head_size=head_size, num_blocks=12,
                          block_size=block_size, model_dtype=model_dtype, device=device, layout=layout)
     layers = [PagedAttention(num_heads, num_kv_heads, head_size, config, layer).to(device) for layer in range(num_layers)]
     seqs = ["a", "b", "c"]
