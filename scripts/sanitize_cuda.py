@@ -1,0 +1,91 @@
+"""A compact workload for compute-sanitizer: every CUDA op and code path on small shapes.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/sanitize_cuda.py
+    compute-sanitizer --tool racecheck --error-exitcode 1 python scripts/sanitize_cuda.py --small
+
+Covers cache write (vectorized and scalar paths, skipped slots), kv_amax, and paged attention for
+every cache format and head size, decode and varlen, split-KV with its merge, sliding window, soft
+cap, HND layout, partial last pages and block-table entries that are never read (-1).
+"""
+
+import argparse
+import itertools
+
+import torch
+
+from fp8kv import ops
+
+FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, None]  # None: unquantized
+
+
+def attention_case(head_size, block_size, group, cache_dtype, decode, hnd, window, cap, long):
+    device = "cuda"
+    num_kv_heads, num_seqs = 2, 3
+    query_dtype = torch.bfloat16
+    cache_dtype = cache_dtype or query_dtype
+    lens = torch.tensor([1, 3 * block_size + 5, 2000 if long else 70])
+    blocks_per_seq = int((lens.max() + block_size - 1) // block_size) + 1
+    num_blocks = num_seqs * blocks_per_seq
+    table = torch.randperm(num_blocks).view(num_seqs, blocks_per_seq).int()
+    for s in range(num_seqs):  # entries past the sequence are never read
+        table[s, (int(lens[s]) + block_size - 1) // block_size:] = -1
+    shape = (num_blocks, num_kv_heads, block_size, head_size) if hnd else (num_blocks, block_size, num_kv_heads, head_size)
+    raw = torch.randint(0, 100, (2, *shape), dtype=torch.uint8, device=device)
+    if cache_dtype.itemsize == 1:
+        key_cache, value_cache = raw[0].view(cache_dtype), raw[1].view(cache_dtype)
+    else:
+        key_cache = torch.randn(shape, device=device).to(cache_dtype)
+        value_cache = torch.randn(shape, device=device).to(cache_dtype)
+    if hnd:
+        key_cache, value_cache = key_cache.permute(0, 2, 1, 3), value_cache.permute(0, 2, 1, 3)
+    q_lens = torch.ones(num_seqs, dtype=torch.int32) if decode else torch.minimum(torch.tensor([1, 4, 9]), lens).int()
+    cu = None if decode else torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()]).to(device)
+    num_tokens = int(q_lens.sum())
+    query = torch.randn(num_tokens, group * num_kv_heads, head_size, device=device, dtype=query_dtype)
+    out = torch.empty_like(query)
+    scale = torch.full((num_kv_heads,), 0.02, device=device)
+    ops.paged_attention(out, query, key_cache, value_cache, table.to(device), lens.int().to(device), cu,
+                        head_size ** -0.5, scale, scale, window, cap)
+
+
+def cache_write_case(src_dtype, cache_dtype, head_size, strided):
+    device = "cuda"
+    tokens, heads, block_size, num_blocks = 37, 2, 16, 6
+    fused = torch.randn(tokens, 3 * heads, head_size + (1 if strided else 0), device=device).to(src_dtype)
+    key, value = fused[:, :heads, :head_size], fused[:, heads:2 * heads, :head_size]
+    cache_dtype = cache_dtype or src_dtype
+    key_cache = torch.zeros(num_blocks, block_size, heads, head_size, device=device, dtype=cache_dtype)
+    value_cache = torch.zeros_like(key_cache)
+    slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
+    slots[::5] = -1
+    scale = torch.tensor([0.5], device=device)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slots, scale, scale)
+    k_amax, v_amax = torch.zeros(heads, device=device), torch.zeros(1, device=device)
+    ops.kv_amax(key, value, k_amax, v_amax)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--small", action="store_true", help="a few cases (racecheck is slow)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    count = 0
+    for src, cache, head, strided in itertools.product([torch.float16, torch.bfloat16, torch.float32],
+                                                      FORMATS, [64, 80], [False, True]):
+        cache_write_case(src, cache, head, strided)
+        count += 1
+        if args.small and count >= 4:
+            break
+    heads = [128] if args.small else [64, 80, 96, 128, 192, 256]
+    for i, (head, cache) in enumerate(itertools.product(heads, FORMATS)):
+        for j, (decode, long) in enumerate([(True, True), (False, False), (True, False)]):
+            attention_case(head, [8, 16, 32][(i + j) % 3], [1, 4, 8, 16][(i + j) % 4], cache, decode,
+                           hnd=(i + j) % 2 == 1, window=50 if j == 2 else -1, cap=20.0 if (i + j) % 3 == 0 else 0.0,
+                           long=long)
+            count += 1
+    torch.cuda.synchronize()
+    print(f"sanitize workload: {count} op calls completed")
+
+
+if __name__ == "__main__":
+    main()
