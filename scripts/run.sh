@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 pip_install() { "$PYTHON" -m pip install -q --disable-pip-version-check "$@"; }
 "$PYTHON" -c "import torch" 2>/dev/null || pip_install torch==2.13.0
-pip_install "scikit-build-core>=0.10" ninja pytest numpy safetensors tqdm "transformers>=4.45"
+pip_install "scikit-build-core>=0.10" ninja pytest numpy safetensors tqdm "transformers>=5.17"
 pip_install --no-build-isolation --no-deps .
 case "${1:-}" in
   demo) shift; exec "$PYTHON" -m fp8kv demo "$@" ;;
