@@ -248,8 +248,8 @@ AmaxParams amax_params(const at::Tensor& key, const at::Tensor& value, const at:
   return p;
 }
 
-void check_slot_mapping_indices(const at::Tensor& slot_mapping, int64_t num_slots_in_cache) {
-  TORCH_INTERNAL_ASSERT(slot_mapping.device().is_cpu());
+void check_slot_mapping_indices(const at::Tensor& slot_mapping_any_device, int64_t num_slots_in_cache) {
+  const at::Tensor slot_mapping = slot_mapping_any_device.cpu();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t i = 0; i < slot_mapping.size(0); ++i) {
     TORCH_CHECK(slots[i] < num_slots_in_cache, "fp8kv.reshape_and_cache: `slot_mapping`[", i, "] = ", slots[i],
@@ -257,15 +257,18 @@ void check_slot_mapping_indices(const at::Tensor& slot_mapping, int64_t num_slot
   }
 }
 
-void check_paged_attention_indices(const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                   const std::optional<at::Tensor>& cu_seqlens_q, int64_t num_query_tokens,
+void check_paged_attention_indices(const at::Tensor& block_tables_any_device, const at::Tensor& seq_lens_any_device,
+                                   const std::optional<at::Tensor>& cu_seqlens_q_any_device, int64_t num_query_tokens,
                                    int64_t block_size, int64_t num_blocks, int64_t sliding_window) {
   constexpr const char* op = "fp8kv.paged_attention";
-  TORCH_INTERNAL_ASSERT(block_tables.device().is_cpu() && seq_lens.device().is_cpu());
+  const at::Tensor block_tables = block_tables_any_device.cpu();
+  const at::Tensor seq_lens = seq_lens_any_device.cpu();
+  at::Tensor cu_seqlens_q;
+  if (cu_seqlens_q_any_device.has_value()) cu_seqlens_q = cu_seqlens_q_any_device->cpu();
   const int64_t num_seqs = block_tables.size(0);
   const int64_t capacity = block_tables.size(1) * block_size;
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* cu = cu_seqlens_q.has_value() ? cu_seqlens_q->data_ptr<int32_t>() : nullptr;
+  const int32_t* cu = cu_seqlens_q.defined() ? cu_seqlens_q.data_ptr<int32_t>() : nullptr;
   if (cu != nullptr) {
     TORCH_CHECK(cu[0] == 0, op, ": `cu_seqlens_q`[0] must be 0, got ", cu[0]);
     TORCH_CHECK(cu[num_seqs] == num_query_tokens, op, ": `cu_seqlens_q`[-1] must equal the number of query rows ",

@@ -2,7 +2,7 @@
 //
 // `*_params` check everything that can be checked without reading tensor data (dtypes, ranks, shapes,
 // devices, strides) and describe the operands for the kernels. `check_*_indices` read index tensors
-// and must be given host (CPU) tensors: the CPU backend always calls them; device backends call them
+// (device tensors are copied to the host): the CPU backend always calls them; device backends call them
 // only in debug-check mode, since reading device data would synchronize with the host.
 #pragma once
 
@@ -28,10 +28,10 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
 AmaxParams amax_params(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_amax,
                        const at::Tensor& v_amax);
 
-// slot_mapping (host): every slot is negative (skipped) or below num_blocks * block_size.
+// slot_mapping: every slot is negative (skipped) or below num_blocks * block_size.
 void check_slot_mapping_indices(const at::Tensor& slot_mapping, int64_t num_slots_in_cache);
 
-// block_tables, seq_lens, cu_seqlens_q (host): query rows partition num_query_tokens, each sequence
+// block_tables, seq_lens, cu_seqlens_q: query rows partition num_query_tokens, each sequence
 // has at least as many cached tokens as query rows and fits its table row, and every table entry that
 // will be read names a block in [0, num_blocks).
 void check_paged_attention_indices(const at::Tensor& block_tables, const at::Tensor& seq_lens,

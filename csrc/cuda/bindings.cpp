@@ -39,7 +39,7 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
                             at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& k_scale,
                             const at::Tensor& v_scale) {
   const CacheWriteParams p = cache_write_params(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
-  if (debug_checks_enabled()) check_slot_mapping_indices(slot_mapping.cpu(), key_cache.size(0) * key_cache.size(1));
+  if (debug_checks_enabled()) check_slot_mapping_indices(slot_mapping, key_cache.size(0) * key_cache.size(1));
   const c10::cuda::CUDAGuard guard(key.device());
   check_launch(cuda::launch_reshape_and_cache(p, current_stream()), "fp8kv.reshape_and_cache");
 }
@@ -72,9 +72,7 @@ void paged_attention_cuda(at::Tensor& out, const at::Tensor& query, const at::Te
   TORCH_CHECK(reinterpret_cast<uintptr_t>(p.out) % 4 == 0 && p.out_token_stride % 2 == 0 &&
                   p.out_head_stride % 2 == 0, op, ": on CUDA, `out` rows must start on 4-byte boundaries");
   if (debug_checks_enabled()) {
-    std::optional<at::Tensor> cu_host;
-    if (cu_seqlens_q.has_value()) cu_host = cu_seqlens_q->cpu();
-    check_paged_attention_indices(block_tables.cpu(), seq_lens.cpu(), cu_host, query.size(0), key_cache.size(1),
+    check_paged_attention_indices(block_tables, seq_lens, cu_seqlens_q, query.size(0), key_cache.size(1),
                                   key_cache.size(0), sliding_window);
   }
   if (p.num_query_tokens == 0 || p.num_seqs == 0) return;

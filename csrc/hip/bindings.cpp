@@ -30,7 +30,7 @@ void reshape_and_cache_hip(const at::Tensor& key, const at::Tensor& value, at::T
                            at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& k_scale,
                            const at::Tensor& v_scale) {
   const CacheWriteParams p = cache_write_params(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
-  if (debug_checks_enabled()) check_slot_mapping_indices(slot_mapping.cpu(), key_cache.size(0) * key_cache.size(1));
+  if (debug_checks_enabled()) check_slot_mapping_indices(slot_mapping, key_cache.size(0) * key_cache.size(1));
   const c10::DeviceGuard guard(key.device());
   check_launch("fp8kv.reshape_and_cache", hip::reshape_and_cache(p, current_stream(key.device())));
 }
@@ -47,10 +47,8 @@ void paged_attention_hip(at::Tensor& out, const at::Tensor& query, const at::Ten
   const char* unsupported = hip::paged_attention_unsupported(p);
   TORCH_CHECK(unsupported == nullptr, op, " (HIP): ", unsupported, "; got `query` of shape ", query.sizes());
   if (debug_checks_enabled()) {
-    const std::optional<at::Tensor> host_cu_seqlens_q =
-        cu_seqlens_q.has_value() ? std::optional<at::Tensor>(cu_seqlens_q->cpu()) : std::nullopt;
-    check_paged_attention_indices(block_tables.cpu(), seq_lens.cpu(), host_cu_seqlens_q, query.size(0),
-                                  key_cache.size(1), key_cache.size(0), sliding_window);
+    check_paged_attention_indices(block_tables, seq_lens, cu_seqlens_q, query.size(0), key_cache.size(1),
+                                  key_cache.size(0), sliding_window);
   }
   const c10::DeviceGuard guard(query.device());
   hip::AttentionPlan plan{};
