@@ -1,0 +1,545 @@
+"""Calibration: K/V maxima of transformers models against the K/V their attention actually receives,
+scales against the float64 formula, export into checkpoints and back through the loader, data
+files, and the CLI. Tensor-parallel reduction: test_calibration_tp.py."""
+
+import json
+import math
+import struct
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+transformers = pytest.importorskip("transformers")
+from transformers import AttentionInterface, AttentionMaskInterface, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import MistralConfig, MistralForCausalLM  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import sdpa_mask  # noqa: E402
+
+from checkpoints import compressed_tensors_config, llama_config, scale_tensors, write_checkpoint  # noqa: E402
+from fp8kv import cli, ops  # noqa: E402
+from fp8kv.calibration import (CalibrationError, KVAmax, KVCalibrator, calibrate, export_checkpoint,  # noqa: E402
+                               export_legacy_json, make_batches, observe_model, text_sequences,
+                               token_id_sequences)
+from fp8kv.checkpoint import CheckpointError, load_kv_cache_config  # noqa: E402
+from fp8kv.formats import KVCacheConfig, KVCacheDtype  # noqa: E402
+
+VOCAB, HEAD_SIZE = 64, 16
+E4M3 = (KVCacheDtype.E4M3FN, KVCacheDtype.E4M3FNUZ)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    # Tiny models: a second intra-op thread only adds synchronization on 2 cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def f32(x: float) -> float:
+    """float32 rounding by the IEEE encoder of the struct module (independent of torch)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# ----------------------------------------------------------------------------- models and references
+
+
+def tiny_model(num_kv_heads: int = 2, *, kind: str = "llama", dtype=torch.float32, num_layers: int = 2, seed: int = 0):
+    """A random-weight GQA model (4 query heads of 16) whose KV heads differ in magnitude (x0.5 to
+    x4), so per-head and per-tensor maxima differ. Mistral gets an 8-token sliding window."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=HEAD_SIZE,
+                  max_position_embeddings=256)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:
+        model = MistralForCausalLM(MistralConfig(sliding_window=8, **common))
+    head_gain = torch.linspace(0.5, 4.0, num_kv_heads).repeat_interleave(HEAD_SIZE)[:, None]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(head_gain)
+            layer.self_attn.v_proj.weight.mul_(head_gain.flip(0))
+    return model.to(dtype).eval()
+
+
+def token_batches(shapes, seed: int = 1) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, shape, generator=generator) for shape in shapes]
+
+
+BATCHES = [(2, 12), (1, 20), (3, 5)]
+
+
+def attention_inputs_amax(model, batches, granularity: str):
+    """float64 max |K|, |V| of the key/value every attention call receives (K after rotary
+    embedding), recorded by an attention function wrapped around transformers' SDPA attention;
+    per layer, per head or over all heads."""
+    maxima = {}
+
+    def record(module, query, key, value, *args, **kwargs):
+        for kind, t in (("k", key), ("v", value)):
+            amax = t.double().abs().amax(dim=(0, 2, 3))
+            previous = maxima.get((module.layer_idx, kind))
+            maxima[(module.layer_idx, kind)] = amax if previous is None else torch.maximum(previous, amax)
+        return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
+
+    AttentionInterface.register("record_kv", record)
+    AttentionMaskInterface.register("record_kv", sdpa_mask)
+    implementation = model.config._attn_implementation
+    model.set_attn_implementation("record_kv")
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                model(input_ids=batch)
+    finally:
+        model.set_attn_implementation(implementation)
+    layers = model.config.num_hidden_layers
+
+    def values(kind):
+        per_head = [maxima[(layer, kind)] for layer in range(layers)]
+        return [tuple((m.amax().reshape(1) if granularity == "tensor" else m).tolist()) for m in per_head]
+
+    return values("k"), values("v")
+
+
+def k_proj_amax(model, batches) -> list[float]:
+    """max |k_proj output| per layer: K before rotary embedding."""
+    maxima = [0.0] * model.config.num_hidden_layers
+    handles = [layer.self_attn.k_proj.register_forward_hook(
+        lambda module, args, out, i=i: maxima.__setitem__(i, max(maxima[i], out.double().abs().max().item())))
+        for i, layer in enumerate(model.model.layers)]
+    with torch.no_grad():
+        for batch in batches:
+            model(input_ids=batch)
+    for handle in handles:
+        handle.remove()
+    return maxima
+
+
+# ----------------------------------------------------------------------------- maxima
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads,kind", [(1, "llama"), (2, "llama"), (4, "llama"), (2, "mistral")])
+def test_amax_equals_max_of_attention_inputs(granularity, dtype, num_kv_heads, kind):
+    model = tiny_model(num_kv_heads, kind=kind, dtype=dtype)
+    batches = token_batches(BATCHES)  # Mistral: 12 and 20 tokens exceed its 8-token window
+    amax = calibrate(model, batches, granularity=granularity, progress=False)
+    k, v = attention_inputs_amax(model, batches, granularity)
+    # A maximum is one of its (bf16 or fp32, so float32-exact) inputs: equality is exact.
+    assert amax.k == tuple(k) and amax.v == tuple(v)
+    assert amax.num_tokens == sum(b.numel() for b in batches)
+    assert len(amax.k[0]) == (1 if granularity == "tensor" else num_kv_heads)
+    # The key before rotary embedding has other maxima: the calibrator saw the rotated key.
+    assert [max(layer) for layer in amax.k] != k_proj_amax(model, batches)
+
+
+def test_per_head_maxima_differ_and_bound_per_tensor():
+    model = tiny_model(4)
+    batches = token_batches(BATCHES)
+    per_tensor = calibrate(model, batches, granularity="tensor", progress=False)
+    per_head = calibrate(model, batches, granularity="head", progress=False)
+    for tensor_layer, head_layer in zip(per_tensor.k + per_tensor.v, per_head.k + per_head.v):
+        assert tensor_layer == (max(head_layer),)
+        assert min(head_layer) < max(head_layer) / 2  # head gains 0.5..4 make the heads differ
+
+
+def test_calibrator_folds_steps_and_restores_training_mode():
+    model = tiny_model(2).train()
+    batches = token_batches(BATCHES)
+    calibrator = KVCalibrator.for_model(model, "head")
+    for batch in batches:  # one batch at a time: the running maxima persist across calls
+        observe_model(model, [batch], calibrator, progress=False)
+    assert model.training
+    model.eval()
+    assert calibrator.result() == calibrate(model, batches, granularity="head", progress=False)
+
+
+@pytest.mark.parametrize("kind", ["K", "V"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_non_finite_maxima_are_refused_naming_layer_and_head(kind, bad, granularity):
+    calibrator = KVCalibrator(num_layers=3, num_kv_heads=4, granularity=granularity)
+    for layer in range(3):
+        key, value = torch.randn(2, 7, 4, 8).unbind(0)
+        if layer == 1:
+            (key if kind == "K" else value)[5, 2, 3] = bad
+        calibrator.observe(layer, key, value)
+    amax = calibrator.result()
+    with pytest.raises(CalibrationError) as error:
+        amax.scales()
+    where = f"layer 1 {kind}" + (" head 2" if granularity == "head" else "")
+    assert len(error.value.problems) == 1
+    assert where in str(error.value) and ("nan" if math.isnan(bad) else "inf") in str(error.value)
+
+
+# ----------------------------------------------------------------------------- scales
+
+
+def random_amax(num_layers: int, width: int, seed: int = 0) -> KVAmax:
+    """float32 maxima spanning 1e-3 .. 1e3 (log-uniform)."""
+    generator = torch.Generator().manual_seed(seed)
+    k, v = (10.0 ** (torch.rand(2, num_layers, width, generator=generator) * 6 - 3)).float().tolist()
+    return KVAmax(tuple(map(tuple, k)), tuple(map(tuple, v)), num_tokens=10)
+
+
+@pytest.mark.parametrize("fmt", E4M3)
+@pytest.mark.parametrize("margin", [1.0, 1.25, 3.0])
+@pytest.mark.parametrize("width", [1, 4])
+def test_scale_is_float32_rounded_amax_times_margin_over_max_finite(fmt, margin, width):
+    amax = random_amax(3, width)
+    config = amax.scales(fmt, margin=margin)
+    max_finite = {KVCacheDtype.E4M3FN: 448.0, KVCacheDtype.E4M3FNUZ: 240.0}[fmt]  # the formats' definitions
+    assert config.dtype is fmt
+    # Python floats are IEEE doubles: one correctly rounded float64 quotient, then float32 rounding.
+    assert config.k_scales == tuple(tuple(f32(a * margin / max_finite) for a in layer) for layer in amax.k)
+    assert config.v_scales == tuple(tuple(f32(a * margin / max_finite) for a in layer) for layer in amax.v)
+
+
+@pytest.mark.parametrize("fmt", E4M3)
+def test_amax_quantizes_to_the_largest_finite_code(fmt):
+    """With margin 1, the calibration maximum is stored as +-max_finite: full range, no overflow."""
+    amax = random_amax(1, 4, seed=3)
+    config = amax.scales(fmt)
+    key = torch.tensor(amax.k[0], dtype=torch.float32).reshape(1, 4, 1).expand(1, 4, 16).contiguous()
+    key[0, 1] *= -1
+    key_cache = torch.zeros(1, 1, 4, 16, dtype=fmt.storage_dtype)
+    value_cache = torch.zeros_like(key_cache)
+    ops.reshape_and_cache(key, key, key_cache, value_cache, torch.tensor([0]), config.k_scale(0), config.k_scale(0))
+    stored = key_cache.float()[0, 0, :, 0]
+    assert stored.tolist() == [fmt.max_finite, -fmt.max_finite, fmt.max_finite, fmt.max_finite]
+
+
+def test_all_zero_heads_are_an_error_by_default():
+    amax = KVAmax(((1.0, 0.0), (2.0, 3.0)), ((4.0, 5.0), (0.0, 0.0)))
+    with pytest.raises(CalibrationError) as error:
+        amax.scales()
+    assert [p.split(":")[0] for p in error.value.problems] == ["layer 0 K head 1", "layer 1 V head 0",
+                                                               "layer 1 V head 1"]
+    assert "zero_amax='unit'" in str(error.value)
+
+
+def test_all_zero_heads_get_unit_scale_with_a_warning_when_asked():
+    amax = KVAmax(((1.0, 0.0), (2.0, 3.0)), ((4.0, 5.0), (0.0, 0.0)))
+    with pytest.warns(UserWarning, match="layer 0 K head 1, layer 1 V head 0, layer 1 V head 1"):
+        config = amax.scales(zero_amax="unit")
+    assert config.k_scales == ((f32(1 / 448), 1.0), (f32(2 / 448), f32(3 / 448)))
+    assert config.v_scales == ((f32(4 / 448), f32(5 / 448)), (1.0, 1.0))
+    assert "scale 1.0 for all-zero layer 0 K head 1" in config.source
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(fmt="float8_e5m2"), "e4m3"),
+    (dict(fmt="auto"), "e4m3"),
+    (dict(margin=0.5), "margin"),
+    (dict(margin=math.inf), "margin"),
+    (dict(zero_amax="floor"), "zero_amax"),
+])
+def test_bad_scale_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        random_amax(1, 1).scales(**kwargs)
+
+
+def test_bad_calibrator_use():
+    with pytest.raises(ValueError, match="granularity"):
+        KVCalibrator(2, 2, "channel")
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        KVCalibrator(2, 0)
+    calibrator = KVCalibrator(2, 2, "head")
+    key = torch.randn(3, 2, 8)
+    with pytest.raises(ValueError, match="layer 2 is outside"):
+        calibrator.observe(2, key, key)
+    with pytest.raises(ValueError, match="key and value"):
+        calibrator.observe(0, key, key[:, :1])
+    calibrator.observe(0, key, key)
+    with pytest.raises(ValueError, match="observed 1 KV heads, earlier 2"):
+        calibrator.observe(0, key[:, :1], key[:, :1])
+    with pytest.raises(CalibrationError, match=r"layer\(s\) 1 of 2 were never observed"):
+        calibrator.result()
+    calibrator.observe(1, key[:, :1], key[:, :1])
+    with pytest.raises(ValueError, match="different KV head counts"):
+        calibrator.result()
+    one_head = KVCalibrator(1, 2, "head")
+    one_head.observe(0, key[:, :1], key[:, :1])
+    with pytest.raises(ValueError, match="observed 1 KV heads per layer, the model has 2"):
+        one_head.result()
+
+
+@pytest.mark.gpu
+def test_observing_on_the_gpu_never_synchronizes():
+    calibrator = KVCalibrator(2, 4, "head")
+    key, value = torch.randn(2, 64, 4, 64, device="cuda", dtype=torch.bfloat16).unbind(0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for layer in (0, 1, 0, 1):
+            calibrator.observe(layer, key, value)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert calibrator.result().k[0] == tuple(key.float().abs().amax(dim=(0, 2)).tolist())
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def source_checkpoint(directory, *, layout: str, num_layers: int = 2, num_kv_heads: int = 4, config=None):
+    shards = {"single": 1, "sharded": 3}[layout]
+    directory = write_checkpoint(directory, shards=shards, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                                 config=config)
+    if layout == "single":  # metadata the export must keep
+        tensors = load_file(str(directory / "model.safetensors"))
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt", "note": "source"})
+    return directory
+
+
+def all_tensors(directory) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(str(path)))
+    return tensors
+
+
+def file_metadata(directory) -> dict:
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+        return f.metadata()
+
+
+def load(directory, fmt, **kwargs) -> KVCacheConfig:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return load_kv_cache_config(directory, fmt, **kwargs)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("fmt", E4M3)
+def test_exported_scales_load_back_identically(tmp_path, granularity, layout, in_place, fmt):
+    source = source_checkpoint(tmp_path / "source", layout=layout)
+    weights_before = all_tensors(source)
+    metadata_before = file_metadata(source) if layout == "single" else None
+    config = random_amax(2, 1 if granularity == "tensor" else 4).scales(fmt)
+    out = source if in_place else tmp_path / "out"
+    assert export_checkpoint(source, out, config) == out
+
+    loaded = load(out, fmt)
+    assert (loaded.dtype, loaded.k_scales, loaded.v_scales) == (fmt, config.k_scales, config.v_scales)
+    # The other e4m3 format gets the same bits' scales: x2 for fnuz, /2 for fn (exact powers of two).
+    other = KVCacheDtype.E4M3FN if fmt is KVCacheDtype.E4M3FNUZ else KVCacheDtype.E4M3FNUZ
+    factor = other.scale_factor_from(fmt)
+    assert load(out, other).k_scales == tuple(tuple(s * factor for s in layer) for layer in config.k_scales)
+    for rank in range(2):  # tensor parallel 2: each rank's slice of the per-head scales
+        sliced = load(out, fmt, tp_rank=rank, tp_size=2).v_scales
+        assert sliced == tuple(layer if len(layer) == 1 else layer[2 * rank:2 * rank + 2] for layer in config.v_scales)
+
+    tensors = all_tensors(out)
+    assert {n: t for n, t in tensors.items() if "scale" not in n}.keys() == weights_before.keys()
+    assert all(torch.equal(tensors[n], t) for n, t in weights_before.items())
+    shape = [1] if granularity == "tensor" else [4, 1, 1]  # as llm-compressor writes them
+    for layer in range(2):
+        for kind in ("k", "v"):
+            t = tensors[f"model.layers.{layer}.self_attn.{kind}_scale"]
+            assert (t.dtype, list(t.shape)) == (torch.float32, shape)
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    if layout == "sharded":
+        assert "kv_cache_scales.safetensors" in files
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert index["weight_map"]["model.layers.1.self_attn.v_scale"] == "kv_cache_scales.safetensors"
+    else:
+        assert files == ["model.safetensors"]
+        assert file_metadata(out) == metadata_before
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert quant["quant_method"] == "compressed-tensors"
+    assert quant["kv_cache_scheme"] == {"num_bits": 8, "type": "float", "dynamic": False, "symmetric": True,
+                                        "strategy": "tensor" if granularity == "tensor" else "attn_head"}
+    assert ("kv_cache_torch_dtype" in quant) == (fmt is KVCacheDtype.E4M3FNUZ)
+    if not in_place:
+        assert "quantization_config" not in json.loads((source / "config.json").read_text())
+
+
+@pytest.mark.parametrize("existing", [
+    compressed_tensors_config("tensor", ) | {"kv_cache_scheme": None, "config_groups": {"group_0": {"targets": ["Linear"]}}},
+    {"quant_method": "fp8", "activation_scheme": "dynamic"},
+])
+def test_export_merges_into_an_existing_quantization_config(tmp_path, existing):
+    source = source_checkpoint(tmp_path / "source", layout="single", config=llama_config(quantization_config=existing))
+    export_checkpoint(source, tmp_path / "out", random_amax(2, 1).scales())
+    quant = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert {k: v for k, v in quant.items() if k != "kv_cache_scheme"} == {
+        k: v for k, v in existing.items() if k != "kv_cache_scheme"}
+    assert quant["kv_cache_scheme"]["strategy"] == "tensor"
+
+
+def test_export_refusals(tmp_path):
+    scales = random_amax(2, 4).scales()
+    with_scales = write_checkpoint(tmp_path / "with_scales", tensors=scale_tensors([0.5, 0.5], [0.5, 0.5]))
+    with pytest.raises(ValueError, match="already has KV cache scales"):
+        export_checkpoint(with_scales, tmp_path / "a", scales)
+    source = source_checkpoint(tmp_path / "source", layout="sharded")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_checkpoint(source, tmp_path / "busy", scales)
+    with pytest.raises(ValueError, match="cover 3 layers"):
+        export_checkpoint(source, tmp_path / "b", random_amax(3, 1).scales())
+    with pytest.raises(ValueError, match="num_kv_heads=4"):
+        export_checkpoint(source, tmp_path / "c", random_amax(2, 2).scales())
+    with pytest.raises(ValueError, match="module_template"):
+        export_checkpoint(source, tmp_path / "d", scales, module_template="model.layers.self_attn")
+    unindexed = write_checkpoint(tmp_path / "unindexed", shards=2, index=False)
+    with pytest.raises(ValueError, match="neither"):
+        export_checkpoint(unindexed, tmp_path / "e", scales)
+    bad = write_checkpoint(tmp_path / "bad", config=llama_config(num_hidden_layers="two"))
+    with pytest.raises(CheckpointError):
+        export_checkpoint(bad, tmp_path / "f", scales)
+    for name in "abcdef":  # nothing was written for a refused export
+        assert not (tmp_path / name).exists()
+
+
+def test_module_names_come_from_the_weights_or_the_caller(tmp_path):
+    renamed = {f"transformer.h.{i}.attn.{p}.weight": torch.zeros(2, 2) for i in range(2) for p in ("q_proj", "k_proj")}
+    source = write_checkpoint(tmp_path / "source", tensors=renamed)
+    with pytest.raises(ValueError, match="cannot tell the attention modules"):
+        # Two templates cover all layers: the test checkpoint's model.layers.{}.self_attn and this one.
+        export_checkpoint(source, tmp_path / "out", random_amax(2, 1).scales())
+    export_checkpoint(source, tmp_path / "out", random_amax(2, 1).scales(), module_template="transformer.h.{}.attn")
+    assert "transformer.h.1.attn.v_scale" in all_tensors(tmp_path / "out")
+
+
+def test_legacy_json_round_trip(tmp_path):
+    source = source_checkpoint(tmp_path / "source", layout="single")
+    config = random_amax(2, 1).scales()
+    path = export_legacy_json(tmp_path / "scales.json", config, model_type="llama")
+    loaded = load(source, "float8_e4m3fn", scales_json=path)
+    expected = tuple((max(k[0], v[0]),) for k, v in zip(config.k_scales, config.v_scales))
+    assert loaded.k_scales == loaded.v_scales == expected
+    with pytest.raises(ValueError, match="per-tensor"):
+        export_legacy_json(tmp_path / "heads.json", random_amax(2, 4).scales())
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_exported_checkpoint_loads_in_transformers_with_compressed_tensors(tmp_path, granularity):
+    """transformers (with compressed-tensors, as for an llm-compressor checkpoint) loads every
+    layer's scales into the attention modules; skipped where compressed-tensors is not installed."""
+    pytest.importorskip("compressed_tensors")
+    model = tiny_model(2)
+    model.save_pretrained(tmp_path / "model")
+    config = calibrate(model, token_batches(BATCHES), granularity=granularity, progress=False).scales()
+    export_checkpoint(tmp_path / "model", tmp_path / "out", config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = LlamaForCausalLM.from_pretrained(tmp_path / "out")
+    for layer, module in enumerate(loaded.model.layers):
+        assert module.self_attn.k_scale.flatten().tolist() == list(config.k_scales[layer])
+        assert module.self_attn.v_scale.flatten().tolist() == list(config.v_scales[layer])
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_token_id_files(tmp_path):
+    path = tmp_path / "ids.txt"
+    path.write_text("1 2 3\n\n  4 5\t6 7 \n")
+    assert [s.tolist() for s in token_id_sequences(path, vocab_size=8)] == [[1, 2, 3], [4, 5, 6, 7]]
+    path.write_text("1 2\n3 x\n")
+    with pytest.raises(ValueError, match=r"ids.txt:2: token ids must be integers"):
+        token_id_sequences(path, vocab_size=8)
+    path.write_text("1 2\n3 8\n")
+    with pytest.raises(ValueError, match=r"ids.txt:2: token id 8 is outside the vocabulary \[0, 8\)"):
+        token_id_sequences(path, vocab_size=8)
+    path.write_text("\n \n")
+    with pytest.raises(ValueError, match="no token ids"):
+        token_id_sequences(path, vocab_size=8)
+
+
+def test_batches_cut_group_and_stop():
+    sequences = [torch.arange(10), torch.arange(100, 104), torch.arange(200, 206)]
+    batches = make_batches(sequences, seq_len=4, batch_size=2)
+    assert [b.tolist() for b in batches] == [
+        [[0, 1, 2, 3], [4, 5, 6, 7]], [[100, 101, 102, 103], [200, 201, 202, 203]], [[8, 9], [204, 205]]]
+    limited = make_batches(sequences, seq_len=4, batch_size=3, max_tokens=9)
+    assert [b.tolist() for b in limited] == [[[0, 1, 2, 3], [4, 5, 6, 7]], [[8]]]
+    with pytest.raises(ValueError, match="seq_len"):
+        make_batches(sequences, seq_len=0)
+
+
+def word_tokenizer(with_bos: bool = True):
+    """A whitespace word-level tokenizer over a fixed vocabulary, built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "<s>"] + [f"w{i}" for i in range(VOCAB - 2)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>" if with_bos else None)
+
+
+def test_text_is_tokenized_and_cut_with_bos_first(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text(" ".join(f"w{i}" for i in range(7)) + "\n")
+    # w_i has id i + 2; every sequence starts with <s> (id 1), as prompts do.
+    assert [s.tolist() for s in text_sequences(path, word_tokenizer(), seq_len=4)] == [
+        [1, 2, 3, 4], [1, 5, 6, 7], [1, 8]]
+    assert [s.tolist() for s in text_sequences(path, word_tokenizer(with_bos=False), seq_len=4)] == [
+        [2, 3, 4, 5], [6, 7, 8]]
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_cli_calibrates_text_and_writes_a_loadable_checkpoint(tmp_path, granularity, capsys):
+    model = tiny_model(2)
+    model.save_pretrained(tmp_path / "model")
+    word_tokenizer().save_pretrained(tmp_path / "model")
+    text = " ".join(f"w{i % (VOCAB - 2)}" for i in range(150))
+    (tmp_path / "data.txt").write_text(text)
+    assert cli.main(["calibrate", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data.txt"),
+                     "--out", str(tmp_path / "out"), "--granularity", granularity, "--seq-len", "64",
+                     "--batch-size", "2", "--margin", "1.5", "--no-progress"]) == 0
+    assert "calibrated 2 layers on 153 tokens" in capsys.readouterr().out  # 150 words + 3 BOS
+
+    # The same data through the Python API and the attention-input reference.
+    ids = [1] + [2 + i % (VOCAB - 2) for i in range(150)]
+    rows = [torch.tensor([1] + ids[1 + 63 * i:1 + 63 * (i + 1)]) for i in range(3)]
+    k, v = attention_inputs_amax(model, [torch.stack(rows[:2]), rows[2][None]], granularity)
+    loaded = load(tmp_path / "out", "float8_e4m3fn")
+    assert loaded.k_scales == tuple(tuple(f32(a * 1.5 / 448) for a in layer) for layer in k)
+    assert loaded.v_scales == tuple(tuple(f32(a * 1.5 / 448) for a in layer) for layer in v)
+
+
+def test_cli_token_ids_fnuz_and_legacy_json(tmp_path, capsys):
+    model = tiny_model(2)
+    model.save_pretrained(tmp_path / "model")
+    (tmp_path / "ids.txt").write_text("1 5 9 13 17 21\n1 2 3\n")
+    out, legacy = tmp_path / "out", tmp_path / "legacy.json"
+    assert cli.main(["calibrate", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "ids.txt"),
+                     "--token-ids", "--out", str(out), "--format", "float8_e4m3fnuz", "--legacy-json", str(legacy),
+                     "--no-progress"]) == 0
+    fnuz = load(out, "float8_e4m3fnuz")
+    k, v = attention_inputs_amax(model, [torch.tensor([[1, 5, 9, 13, 17, 21]]), torch.tensor([[1, 2, 3]])], "tensor")
+    assert fnuz.k_scales == tuple((f32(layer[0] / 240),) for layer in k)
+    from_json = load(tmp_path / "model", "float8_e4m3fnuz", scales_json=legacy)
+    assert from_json.k_scales == tuple((max(a[0], b[0]),) for a, b in zip(fnuz.k_scales, fnuz.v_scales))
+
+
+def test_cli_errors(tmp_path):
+    model = tiny_model(2)
+    model.save_pretrained(tmp_path / "model")
+    (tmp_path / "data.txt").write_text("some text")
+    common = ["calibrate", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "out"), "--no-progress"]
+    with pytest.raises(SystemExit, match="has no tokenizer.*--token-ids"):
+        cli.main(common + ["--data", str(tmp_path / "data.txt")])
+    with pytest.raises(SystemExit, match="token ids must be integers"):
+        cli.main(common + ["--data", str(tmp_path / "data.txt"), "--token-ids"])
+    with pytest.raises(SystemExit, match="--format"):
+        cli.main(common + ["--data", str(tmp_path / "data.txt"), "--format", "fp9"])
+    with pytest.raises(SystemExit, match="--legacy-json"):
+        cli.main(common + ["--data", str(tmp_path / "data.txt"), "--legacy-json",
+                           str(tmp_path / "out" / "kv_cache_scales.json")])
+    assert not (tmp_path / "out").exists()
