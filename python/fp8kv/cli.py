@@ -1,8 +1,9 @@
-"""Command line: `python -m fp8kv demo` and `python -m fp8kv inspect CHECKPOINT`."""
+"""Command line: `python -m fp8kv demo`, `python -m fp8kv inspect CHECKPOINT` and `python -m fp8kv calibrate`."""
 
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 
 
@@ -46,6 +47,59 @@ def _print_scale_table(found) -> None:
         for kind, scale in (("K", k), ("V", v)):
             values = " ".join(f"{s:.6g}" for s in scale.values)
             print(f"{layer:>5}  {kind:4}  {values}    ({scale.tensor})")
+
+# ----------------------------------------------------------------------------- calibrate
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """Calibrates a checkpoint's K/V scales on the user's data and writes them into a checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .calibration import (CalibrationError, calibrate, export_checkpoint, export_legacy_json, make_batches,
+                              text_sequences, token_id_sequences)
+    from .checkpoint import LEGACY_JSON_FILE, CheckpointError
+    from .formats import KVCacheDtype
+
+    try:
+        fmt = KVCacheDtype.parse(args.format)
+    except ValueError as e:
+        raise SystemExit(f"--format: {e}") from None
+    if args.legacy_json and pathlib.Path(args.legacy_json).resolve() == (pathlib.Path(args.out) / LEGACY_JSON_FILE).resolve():
+        raise SystemExit(f"--legacy-json: not {LEGACY_JSON_FILE} inside --out, which holds the scale tensors "
+                         "(the loader refuses two sources); write it elsewhere")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+    try:
+        if args.token_ids:
+            sequences = token_id_sequences(args.data, model.config.get_text_config(decoder=True).vocab_size)
+        else:
+            if not any((pathlib.Path(args.model) / name).exists() for name in TOKENIZER_FILES):
+                raise SystemExit(f"--data: {args.model} has no tokenizer ({', '.join(TOKENIZER_FILES)}): pass a "
+                                 "file of token ids with --token-ids")
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+            sequences = text_sequences(args.data, tokenizer, args.seq_len)
+        batches = make_batches(sequences, args.seq_len, args.batch_size, args.max_tokens)
+        amax = calibrate(model, batches, granularity=args.granularity, progress=not args.no_progress)
+        kv_cache = amax.scales(fmt, margin=args.margin, zero_amax=args.zero_amax)
+        out = export_checkpoint(args.model, args.out, kv_cache)
+        if args.legacy_json:
+            export_legacy_json(args.legacy_json, kv_cache, model_type=getattr(model.config, "model_type", None))
+    except (CalibrationError, CheckpointError, ValueError, FileExistsError) as e:
+        raise SystemExit(f"calibrate: {e}") from None
+    print(f"calibrated {kv_cache.num_layers} layers on {amax.num_tokens} tokens ({device}, {model.dtype}), "
+          f"per {amax.granularity}, for {fmt.value}, margin {args.margin:g}")
+    print(f"\n{'layer':>5}  {'K amax':>10} {'K scale':>11}  {'V amax':>10} {'V scale':>11}   (largest over heads)")
+    for layer in range(kv_cache.num_layers):
+        print(f"{layer:>5}  {max(amax.k[layer]):>10.4g} {max(kv_cache.k_scales[layer]):>11.4g}  "
+              f"{max(amax.v[layer]):>10.4g} {max(kv_cache.v_scales[layer]):>11.4g}")
+    print(f"\nwrote {out} (scales in kv_cache_scales.safetensors, declared in config.json)"
+          + (f" and {args.legacy_json}" if args.legacy_json else ""))
+    return 0
 
 
 # ----------------------------------------------------------------------------- demo
@@ -260,6 +314,33 @@ def main(argv: list[str] | None = None) -> int:
     inspect.add_argument("checkpoint", help="local checkpoint directory (config.json + safetensors)")
     inspect.add_argument("--scales-json", help="a legacy kv_cache_scales.json outside the checkpoint")
     inspect.set_defaults(run=_inspect)
+
+    calib = commands.add_parser("calibrate", help="calibrate K/V cache scales on your data and write them into a "
+                                "checkpoint")
+    calib.add_argument("--model", required=True, help="local checkpoint directory (transformers causal LM)")
+    calib.add_argument("--data", required=True, help="text file (tokenized with the model's tokenizer), or with "
+                       "--token-ids a file of whitespace-separated token ids, one sequence per line")
+    calib.add_argument("--out", required=True, help="new or empty directory for the checkpoint with scales, or the "
+                       "--model directory itself to add the scales in place")
+    calib.add_argument("--granularity", choices=("tensor", "head"), default="tensor",
+                       help="one scale per layer (default), or one per KV head")
+    calib.add_argument("--token-ids", action="store_true", help="--data holds token ids, not text")
+    calib.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    calib.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass (default 1)")
+    calib.add_argument("--max-tokens", type=int, help="stop after this many tokens of --data")
+    calib.add_argument("--format", default="float8_e4m3fn",
+                       help="format the scales are for: float8_e4m3fn (default; e4m3fnuz caches double them on "
+                       "load) or float8_e4m3fnuz")
+    calib.add_argument("--margin", type=float, default=1.0,
+                       help="scale = amax * margin / max_finite; >= 1 leaves headroom (default 1.0)")
+    calib.add_argument("--zero-amax", choices=("error", "unit"), default="error",
+                       help="an all-zero K/V head or layer: error (default), or scale 1.0 with a warning")
+    calib.add_argument("--legacy-json", help="also write the legacy kv_cache_scales.json here (per tensor)")
+    calib.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    calib.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                       help="model dtype (default: the checkpoint's)")
+    calib.add_argument("--no-progress", action="store_true", help="no progress bar")
+    calib.set_defaults(run=_calibrate)
 
     args = parser.parse_args(argv)
     return args.run(args)
