@@ -48,6 +48,7 @@ def _print_scale_table(found) -> None:
             values = " ".join(f"{s:.6g}" for s in scale.values)
             print(f"{layer:>5}  {kind:4}  {values}    ({scale.tensor})")
 
+
 # ----------------------------------------------------------------------------- calibrate
 
 
