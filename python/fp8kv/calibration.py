@@ -11,9 +11,10 @@ Layers, bottom to top:
 - `KVAmax.scales` turns maxima into dequantization scales s = amax * margin / max_finite(format),
   refusing NaN/inf maxima and all-zero heads (or giving those scale 1.0 when asked to) by name.
 - `export_checkpoint` writes the scales as `P.k_scale` / `P.v_scale` float32 tensors in the shapes
-  llm-compressor writes ([1] per tensor, [num_kv_heads, 1, 1] per head) into an added shard,
-  registers it in the index, and declares them in config.json as a compressed-tensors
-  `kv_cache_scheme`; `export_legacy_json` writes the legacy kv_cache_scales.json instead.
+  llm-compressor writes ([1] per tensor, [num_kv_heads, 1, 1] per head), in an added shard
+  registered in the index (sharded checkpoints) or in model.safetensors (single-file ones), and
+  declares them in config.json as a compressed-tensors `kv_cache_scheme`; `export_legacy_json`
+  writes the legacy kv_cache_scales.json.
 - `calibrate` / `observe_model` drive a transformers model: a DynamicCache subclass sees every
   layer's K (after rotary embedding, exactly as it is cached) and V; the data comes from
   `text_sequences` (a text file and the model's tokenizer) or `token_id_sequences` (a file of ids),
@@ -295,10 +296,10 @@ def _check_geometry(kv_cache: KVCacheConfig, num_layers: int, num_kv_heads: int,
                          f"{kv_cache.dtype.value}")
     if kv_cache.num_layers != num_layers:
         raise ValueError(f"the scales cover {kv_cache.num_layers} layers, {source}/{CONFIG_FILE} has {num_layers}")
-    widths = {len(s) for s in (*kv_cache.k_scales, *kv_cache.v_scales)}
-    if len(widths) != 1 or widths.pop() not in (1, num_kv_heads):
+    widths = sorted({len(s) for s in (*kv_cache.k_scales, *kv_cache.v_scales)})
+    if len(widths) != 1 or widths[0] not in (1, num_kv_heads):
         raise ValueError(f"every layer needs 1 scale or num_kv_heads={num_kv_heads} scales (all KV heads of the "
-                         f"model, not one tensor-parallel rank's), got {sorted({len(s) for s in kv_cache.k_scales})}")
+                         f"model, not one tensor-parallel rank's), got {widths}")
 
 
 _PROJECTIONS = (".k_proj.weight", ".qkv_proj.weight")
