@@ -15,8 +15,9 @@ K/V structure that makes FP8 scales matter in real checkpoints (synthetic, state
   |K| exceeds 448 there too, but as a near-constant offset.
 
 Scales are calibrated (fp8kv.calibration.calibrate) on one set of random token sequences and
-evaluated on another; every number is the mean over --seeds models (weights and data) per profile. Caches compared: bf16 (unquantized), e5m2 (scale 1), e4m3 with scale 1,
-e4m3 calibrated per tensor, e4m3 calibrated per KV head. Metrics:
+evaluated on another; every number is the mean over --seeds models (weights and data) per profile.
+Caches compared: bf16 (unquantized), e5m2 (scale 1), e4m3 with scale 1, e4m3 calibrated per
+tensor, e4m3 calibrated per KV head. Metrics:
 - attention output, each layer on the same bf16 q/k/v (captured from the bf16-cache run): relative
   RMS error ||out - ref|| / ||ref|| per query head against float64 causal attention over those
   q/k/v, averaged over heads; mean over layers and worst layer;
@@ -206,7 +207,7 @@ def logit_metrics(logits: torch.Tensor, ref: torch.Tensor) -> dict:
                 top1_agreement=(logits.argmax(-1) == ref.argmax(-1)).double().mean().item())
 
 
-def kv_ranges(config: KVCacheConfig, amax_per_head) -> dict:
+def kv_ranges(amax_per_head) -> dict:
     return dict(k_amax_max=max(max(layer) for layer in amax_per_head.k),
                 v_amax_min=min(min(layer) for layer in amax_per_head.v),
                 v_amax_max=max(max(layer) for layer in amax_per_head.v))
@@ -249,7 +250,7 @@ def report_one(profile: str, seed: int, args) -> dict:
                           attention_rel_rms_worst=max(layer_errors), **logit_metrics(logits, reference),
                           logit_rel_rms_vs_bf16_cache=((logits - unquantized).norm() / unquantized.norm()).item())
     return dict(profile=profile, calibration_tokens=amax.num_tokens, evaluation_tokens=evaluation.numel(),
-                **kv_ranges(configs[CACHES[4]], amax), rows=rows)
+                **kv_ranges(amax), rows=rows)
 
 
 def print_report(result: dict) -> None:

@@ -363,7 +363,7 @@ def test_exported_scales_load_back_identically(tmp_path, granularity, layout, in
 
 
 @pytest.mark.parametrize("existing", [
-    compressed_tensors_config("tensor", ) | {"kv_cache_scheme": None, "config_groups": {"group_0": {"targets": ["Linear"]}}},
+    compressed_tensors_config() | {"kv_cache_scheme": None, "config_groups": {"group_0": {"targets": ["Linear"]}}},
     {"quant_method": "fp8", "activation_scheme": "dynamic"},
 ])
 def test_export_merges_into_an_existing_quantization_config(tmp_path, existing):

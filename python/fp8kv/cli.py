@@ -69,7 +69,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         fmt = KVCacheDtype.parse(args.format)
     except ValueError as e:
         raise SystemExit(f"--format: {e}") from None
-    if args.legacy_json and pathlib.Path(args.legacy_json).resolve() == (pathlib.Path(args.out) / LEGACY_JSON_FILE).resolve():
+    in_checkpoint = (pathlib.Path(args.out) / LEGACY_JSON_FILE).resolve()
+    if args.legacy_json and pathlib.Path(args.legacy_json).resolve() == in_checkpoint:
         raise SystemExit(f"--legacy-json: not {LEGACY_JSON_FILE} inside --out, which holds the scale tensors "
                          "(the loader refuses two sources); write it elsewhere")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
