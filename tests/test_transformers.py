@@ -180,7 +180,9 @@ def test_unquantized_cache_logits_match_eager(kind, dtype, device):
     # Eager rounds the softmax probabilities and the output to the model dtype; the paged kernel
     # accumulates in fp32 and rounds once. Each layer's output moves by about one ulp, which after
     # 2 layers and the LM head stays within 4 ulps of the largest logit (measured on CPU over 4
-    # seeds, 3 models, 2 dtypes: <= 2).
+    # seeds, 3 models, 2 dtypes: <= 2). The CUDA kernel also rounds P, to the model dtype as
+    # eager does; emulated on CPU as in test_fp8_cache_logits_over_32_steps (same seeds and
+    # grid, both running maxes): <= 2.5, so the bound holds for both devices.
     assert (ours - baseline).abs().max() <= 4 * ulp(baseline, dtype)
 
 
@@ -207,11 +209,24 @@ def test_fp8_cache_logits_over_32_steps(kind, dtype, fmt, per_head, device):
     # second layer's inputs, do the few K/V elements lying within an ulp of an FP8 rounding
     # boundary, which then round to the neighbouring FP8 value. Logits agree within 6 ulps
     # (measured on CPU over 4 seeds, 3 models, 2 dtypes, 3 formats: <= 3).
-    assert (ours - reference).abs().max() <= 6 * ulp(reference, dtype)
+    # The CUDA kernel also rounds P to fp16 before P.V (and q, exactly here; see
+    # docs/cuda_decode_design.md): each attention weight moves by up to 2^-11 relative, a full
+    # fp16 rounding (a quarter of a bf16 one) per layer on top of the output's. How much of that
+    # the second layer and its FP8 boundaries pass on to the logits has no useful closed-form
+    # bound, so the CUDA allowance is measured: this test on CPU with the float64 attention
+    # rounding q and P to fp16 (P relative to the row's max, or to a running max up to 2^8 below
+    # it per 16-key tile, as the kernel's lazy rescaling allows), 8 seeds x this grid x both
+    # maxes = 288 runs per dtype: fp16 <= 12.5 ulps except one run at 23.4, bf16 <= 3.6 (the CPU
+    # kernel, same seeds: <= 4.9, <= 1.5). Allowed: 24 and 8, above every emulated run. Masking
+    # bugs put into the float64 attention (own key masked, first visible key dropped, next token
+    # seen in prefill; seed 0, e4m3fn and e5m2) move the logits by >= 178 (fp16), >= 22.5 (bf16).
+    allowed_ulps = 6 if device == "cpu" else {torch.float16: 24, torch.bfloat16: 8}[dtype]
+    assert (ours - reference).abs().max() <= allowed_ulps * ulp(reference, dtype)
     # Against the unquantized eager model: the format's own error. Each cached element is off by
     # at most half a unit in its last place, 2^-4 (e4m3, 3 mantissa bits) or 2^-3 (e5m2)
     # relative; logits stay within that fraction of the largest logit (measured on CPU over 4
-    # seeds: e4m3 2.0-4.6%, e5m2 4.6-8.8%).
+    # seeds: e4m3 2.0-4.6%, e5m2 4.6-8.8%; with the CUDA rounding emulated as above, over 8
+    # seeds: e4m3 <= 5.4%, e5m2 <= 10.9%).
     relative_precision = 2.0**-4 if fmt.is_e4m3 else 2.0**-3
     assert (ours - baseline).abs().max() <= relative_precision * baseline.abs().max()
 
