@@ -501,10 +501,11 @@ def test_cli_calibrates_text_and_writes_a_loadable_checkpoint(tmp_path, granular
     (tmp_path / "data.txt").write_text(text)
     assert cli.main(["calibrate", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data.txt"),
                      "--out", str(tmp_path / "out"), "--granularity", granularity, "--seq-len", "64",
-                     "--batch-size", "2", "--margin", "1.5", "--no-progress"]) == 0
+                     "--batch-size", "2", "--margin", "1.5", "--no-progress", "--device", "cpu"]) == 0
     assert "calibrated 2 layers on 153 tokens" in capsys.readouterr().out  # 150 words + 3 BOS
 
-    # The same data through the Python API and the attention-input reference.
+    # The same data through the Python API and the attention-input reference (both on the CPU: the
+    # comparison is exact, and another device's matmuls round differently).
     ids = [1] + [2 + i % (VOCAB - 2) for i in range(150)]
     rows = [torch.tensor([1] + ids[1 + 63 * i:1 + 63 * (i + 1)]) for i in range(3)]
     k, v = attention_inputs_amax(model, [torch.stack(rows[:2]), rows[2][None]], granularity)
@@ -520,7 +521,7 @@ def test_cli_token_ids_fnuz_and_legacy_json(tmp_path, capsys):
     out, legacy = tmp_path / "out", tmp_path / "legacy.json"
     assert cli.main(["calibrate", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "ids.txt"),
                      "--token-ids", "--out", str(out), "--format", "float8_e4m3fnuz", "--legacy-json", str(legacy),
-                     "--no-progress"]) == 0
+                     "--no-progress", "--device", "cpu"]) == 0
     fnuz = load(out, "float8_e4m3fnuz")
     k, v = attention_inputs_amax(model, [torch.tensor([[1, 5, 9, 13, 17, 21]]), torch.tensor([[1, 2, 3]])], "tensor")
     assert fnuz.k_scales == tuple((f32(layer[0] / 240),) for layer in k)
