@@ -1,0 +1,93 @@
+// Standalone timing of the paged-attention kernel (e4m3fn) for tuning variants; no torch.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "../../csrc/cuda/launchers.h"
+
+#define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
+
+__global__ void fill_bytes(uint8_t* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t x = (uint32_t)i * 2654435761u ^ seed; x ^= x >> 13; x *= 0x5bd1e995u; x ^= x >> 15;
+    p[i] = (uint8_t)(x % 120);
+  }
+}
+
+__global__ void read_flush(const uint4* __restrict__ p, size_t n, uint32_t* sink) {
+  uint32_t acc = 0;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const uint4 v = __ldg(p + i); acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x9999u) sink[0] = acc;
+}
+
+int main(int argc, char** argv) {
+  const char* name = argc > 1 ? argv[1] : "variant";
+  struct Shape { int B, L, H, Hk, D; };
+  std::vector<Shape> shapes = {{1, 32768, 32, 8, 128}, {1, 131072, 32, 8, 128}, {16, 4096, 32, 8, 128},
+                               {64, 4096, 32, 8, 128}, {16, 16384, 32, 8, 128}, {128, 2048, 32, 8, 128},
+                               {256, 1024, 32, 8, 128}, {64, 4096, 32, 32, 128}, {64, 4096, 8, 1, 128}};
+  int dev = 0, sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  uint8_t* flush; const size_t flush_bytes = 256ull << 20;
+  CHECK(cudaMalloc(&flush, flush_bytes));
+  float scale = 0.01f; float* d_scale; CHECK(cudaMalloc(&d_scale, 8)); CHECK(cudaMemcpy(d_scale, &scale, 4, cudaMemcpyHostToDevice));
+  printf("%-10s", name);
+  const int bs = getenv("LAB_BS") ? atoi(getenv("LAB_BS")) : 16;
+  const bool hnd = getenv("LAB_HND") && atoi(getenv("LAB_HND"));
+  const bool identity = getenv("LAB_IDENTITY") && atoi(getenv("LAB_IDENTITY"));
+  if (getenv("LAB_FEW")) shapes = {shapes[1], shapes[3], shapes[7]};
+  for (const Shape& s : shapes) {
+    const int64_t nblk = (int64_t)s.B * s.L / bs;
+    const size_t cache_bytes = (size_t)nblk * bs * s.Hk * s.D;
+    uint8_t *kc, *vc; CHECK(cudaMalloc(&kc, cache_bytes)); CHECK(cudaMalloc(&vc, cache_bytes));
+    fill_bytes<<<1024, 256>>>(kc, cache_bytes, 1); fill_bytes<<<1024, 256>>>(vc, cache_bytes, 2);
+    std::vector<int32_t> table(nblk); std::iota(table.begin(), table.end(), 0);
+    if (!identity) std::shuffle(table.begin(), table.end(), std::mt19937(0));
+    int32_t *bt, *sl; CHECK(cudaMalloc(&bt, nblk * 4)); CHECK(cudaMalloc(&sl, s.B * 4));
+    CHECK(cudaMemcpy(bt, table.data(), nblk * 4, cudaMemcpyHostToDevice));
+    std::vector<int32_t> lens(s.B, s.L); CHECK(cudaMemcpy(sl, lens.data(), s.B * 4, cudaMemcpyHostToDevice));
+    uint16_t *q, *out; CHECK(cudaMalloc(&q, (size_t)s.B * s.H * s.D * 2)); CHECK(cudaMalloc(&out, (size_t)s.B * s.H * s.D * 2));
+    CHECK(cudaMemset(q, 0x3c, (size_t)s.B * s.H * s.D * 2));
+    fp8kv::PagedAttentionParams p{};
+    p.out = out; p.out_token_stride = s.H * s.D; p.out_head_stride = s.D;
+    p.query = q; p.query_token_stride = s.H * s.D; p.query_head_stride = s.D; p.query_dtype = fp8kv::DType::kBFloat16;
+    // NHD: [block][token][head][dim]; HND: [block][head][token][dim].
+    const int64_t token_stride = hnd ? s.D : (int64_t)s.Hk * s.D, head_stride = hnd ? (int64_t)bs * s.D : s.D;
+    p.key_cache = {kc, (int64_t)bs * s.Hk * s.D, token_stride, head_stride};
+    p.value_cache = {vc, (int64_t)bs * s.Hk * s.D, token_stride, head_stride};
+    p.cache_dtype = fp8kv::DType::kFloat8E4M3FN;
+    p.block_tables = bt; p.block_table_stride = s.L / bs; p.max_blocks_per_seq = s.L / bs; p.seq_lens = sl;
+    p.cu_seqlens_q = nullptr; p.num_seqs = s.B; p.num_query_tokens = s.B; p.num_heads = s.H; p.num_kv_heads = s.Hk;
+    p.head_size = s.D; p.block_size = bs; p.num_blocks = (int)nblk; p.softmax_scale = 0.088f;
+    p.k_scale = {d_scale, false}; p.v_scale = {d_scale, false}; p.sliding_window = -1; p.logits_soft_cap = 0.f;
+    fp8kv::cuda::AttentionPlan plan{};
+    CHECK(fp8kv::cuda::plan_paged_attention(p, sms, plan));
+    fp8kv::cuda::SplitWorkspace ws{};
+    ws.rows = (int64_t)s.B * s.H; ws.num_splits = plan.num_splits;
+    float* wsbuf = nullptr;
+    if (plan.num_splits > 1) {
+      CHECK(cudaMalloc(&wsbuf, (size_t)plan.num_splits * ws.rows * (s.D + 2) * 4));
+      ws.acc = wsbuf; ws.row_max = wsbuf + (size_t)plan.num_splits * ws.rows * s.D; ws.row_sum = ws.row_max + plan.num_splits * ws.rows;
+    }
+    cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+    std::vector<float> times;
+    for (int it = 0; it < 25; ++it) {
+      read_flush<<<528, 256>>>((const uint4*)flush, flush_bytes / 16, (uint32_t*)d_scale + 1);  // clean L2, no write-back
+      cudaEventRecord(a);
+      CHECK(fp8kv::cuda::launch_paged_attention(p, plan, ws, 0));
+      cudaEventRecord(b); CHECK(cudaEventSynchronize(b));
+      float ms; cudaEventElapsedTime(&ms, a, b); if (it >= 5) times.push_back(ms * 1000.f);
+    }
+    std::sort(times.begin(), times.end());
+    const float us = times[times.size() / 2];
+    printf(" | %6.1fus %4.2f", us, 2.0 * cache_bytes / us / 1e6);
+    cudaFree(kc); cudaFree(vc); cudaFree(bt); cudaFree(sl); cudaFree(q); cudaFree(out); if (wsbuf) cudaFree(wsbuf);
+  }
+  printf("\n");
+  return 0;
+}
