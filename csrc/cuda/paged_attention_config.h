@@ -8,7 +8,7 @@
 
 namespace fp8kv::cuda::attention {
 
-// FP8KV_ATTENTION_WARPS / FP8KV_ATTENTION_STAGES exist for tuning experiments (scratch lab builds).
+// FP8KV_ATTENTION_* exist for tuning experiments (benchmarks/lab builds variants with -D).
 #ifndef FP8KV_ATTENTION_WARPS
 #define FP8KV_ATTENTION_WARPS 4
 #endif
