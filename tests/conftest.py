@@ -34,3 +34,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """One intra-op CPU thread for modules of tiny models: a second thread only adds synchronization
+    (10x slower on a 2-core machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -30,13 +30,8 @@ VOCAB, HEAD_SIZE = 64, 16
 E4M3 = (KVCacheDtype.E4M3FN, KVCacheDtype.E4M3FNUZ)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    # Tiny models: a second intra-op thread only adds synchronization on 2 cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models and tensors: one CPU thread (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def f32(x: float) -> float:

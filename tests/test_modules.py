@@ -14,13 +14,8 @@ from fp8kv.formats import KVCacheConfig, KVCacheDtype
 from reference import (AttentionReference, add_output_rounding, assert_within, kernel_product_dtype,
                        paged_attention_reference)
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    # Tiny tensors: a second intra-op thread only adds synchronization on a 2-core machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models and tensors: one CPU thread (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

@@ -23,13 +23,8 @@ KINDS = ["llama", "qwen2", "mistral"]
 PROMPT_LEN, STEPS, VOCAB = 9, 32, 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    # Tiny models: a second intra-op thread only adds synchronization (10x slower on 2 cores).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Tiny models and tensors: one CPU thread (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def tiny_model(kind: str, dtype: torch.dtype, device: str, seed: int = 0):

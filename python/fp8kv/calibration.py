@@ -38,7 +38,7 @@ from typing import Iterable
 import torch
 
 from . import distributed, ops
-from .checkpoint import CONFIG_FILE, INDEX_FILE, CheckpointError, _ranges, read_checkpoint_scales
+from .checkpoint import CONFIG_FILE, INDEX_FILE, CheckpointError, format_ranges, read_checkpoint_scales
 from .formats import KVCacheConfig, KVCacheDtype
 
 GRANULARITIES = ("tensor", "head")
@@ -112,7 +112,7 @@ class KVCalibrator:
         layer was never observed."""
         missing = [layer for layer, amax in enumerate(self._k_amax) if amax is None]
         if missing:
-            raise CalibrationError([f"layer(s) {_ranges(missing)} of {self.num_layers} were never observed: their "
+            raise CalibrationError([f"layer(s) {format_ranges(missing)} of {self.num_layers} were never observed: their "
                                     "attention did not pass K/V to the calibrator (for transformers models: did "
                                     "not call past_key_values.update)"])
         widths = {amax.numel() for amax in self._k_amax}

@@ -395,7 +395,7 @@ def _one_scale_per_layer(reader: _Reader, candidates, num_layers: int):
             expected = _with_layer(_as_kind(example.tensor, target), missing[0])
             reader.problem(
                 example.file, expected,
-                f"missing: no {target}_scale for layer(s) {_ranges(missing)} of the model's {num_layers}, "
+                f"missing: no {target}_scale for layer(s) {format_ranges(missing)} of the model's {num_layers}, "
                 f"while {example.tensor} exists",
             )
             complete = False
@@ -420,7 +420,7 @@ def _with_layer(name: str, layer: int) -> str:
     return name[: match.start(1)] + str(layer) + name[match.end(1):]
 
 
-def _ranges(layers: list[int]) -> str:
+def format_ranges(layers: list[int]) -> str:
     spans, start = [], layers[0]
     for previous, current in zip(layers, layers[1:] + [None]):
         if current != previous + 1:
@@ -460,7 +460,7 @@ def _legacy_json(reader: _Reader, path: pathlib.Path, num_layers: int, model_typ
             continue
         layers = _int_keyed(reader, path, where, ranks[rank])
         if sorted(layers) != list(range(num_layers)):
-            reader.problem(path, where, f"must have layers 0..{num_layers - 1} ({CONFIG_FILE}), got {_ranges(sorted(layers)) if layers else 'none'}")
+            reader.problem(path, where, f"must have layers 0..{num_layers - 1} ({CONFIG_FILE}), got {format_ranges(sorted(layers)) if layers else 'none'}")
             continue
         values = []
         for layer in range(num_layers):
