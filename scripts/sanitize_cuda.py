@@ -38,7 +38,7 @@ def attention_case(head_size, block_size, group, cache_dtype, decode, hnd, windo
         value_cache = torch.randn(shape, device=device).to(cache_dtype)
     if hnd:
         key_cache, value_cache = key_cache.permute(0, 2, 1, 3), value_cache.permute(0, 2, 1, 3)
-    q_lens = torch.ones(num_seqs, dtype=torch.int32) if decode else torch.minimum(torch.tensor([1, 4, 9]), lens).int()
+    q_lens = torch.ones(num_seqs, dtype=torch.int32) if decode else torch.minimum(torch.tensor([1, 3 * block_size + 5, 130]), lens).int()
     cu = None if decode else torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()]).to(device)
     num_tokens = int(q_lens.sum())
     query = torch.randn(num_tokens, group * num_kv_heads, head_size, device=device, dtype=query_dtype)

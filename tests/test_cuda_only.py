@@ -175,6 +175,35 @@ def test_split_kv_chunked_prefill():
     assert_within(inputs.run(), inputs.reference(), "chunked prefill")
 
 
+MIXED_BATCH_CASES = [
+    # cache_format, query dtype, layout, window, soft_cap, head_size, block_size, gqa
+    ("e4m3fn", torch.bfloat16, "NHD", -1, 0.0, 128, 16, 4),
+    ("e4m3fn", torch.float16, "HND", 700, 0.0, 64, 32, 8),
+    ("e5m2", torch.bfloat16, "NHD", -1, 30.0, 256, 64, 1),
+    ("e4m3fnuz", torch.float16, "interleaved", -1, 0.0, 96, 16, 6),
+    ("none", torch.bfloat16, "HND", 333, 0.0, 192, 128, 4),
+    ("none", torch.float16, "NHD", -1, 0.0, 80, 8, 1),
+    ("e4m3fn", torch.bfloat16, "HND", -1, 0.0, 128, 16, 80),  # more query heads per KV head than a tile's rows
+]
+
+
+@pytest.mark.parametrize("case", MIXED_BATCH_CASES, ids=lambda c: "-".join(map(str, c)).replace("torch.", ""))
+def test_mixed_prefill_and_decode_batch(case):
+    """One batch with whole prompts of thousands of tokens, a chunked-prefill continuation, draft
+    tokens and decode rows: every query tile, causal diagonal and sequence boundary of the
+    multi-token kernel."""
+    cache_format, dtype, layout, window, soft_cap, head_size, block_size, gqa = case
+    long = 300 if gqa > 8 else 2500  # keeps the float64 reference small for 160 query heads
+    seq_lens = [long, 1, 1200, 4500, 33, 4]
+    q_lens = [long, 1, 1200, 257, 1, 4]
+    inputs = make_paged_attention_inputs(
+        seq_lens=seq_lens, q_lens=q_lens, num_heads=NUM_KV_HEADS * gqa, num_kv_heads=NUM_KV_HEADS,
+        head_size=head_size, block_size=block_size, cache_format=cache_format, query_dtype=dtype,
+        per_head_scales=True, layout=layout, sliding_window=window, logits_soft_cap=soft_cap, strided=True,
+        seed=11, device="cuda")
+    assert_within(inputs.run(), inputs.reference(), "mixed batch")
+
+
 # ----------------------------------------------------------------------------------------------
 # CUDA graphs
 # ----------------------------------------------------------------------------------------------

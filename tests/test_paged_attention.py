@@ -112,6 +112,24 @@ def test_varlen_causal(device, case):
     run_case(case, seq_lens, q_lens, device, seed=1000 + index)
 
 
+VERIFY_CASES = covering_grid(
+    {"cache_format": CACHE_FORMATS, "q_len": [2, 4, 8], "gqa": GQA_RATIOS},
+    {"head_size": HEAD_SIZES, "block_size": BLOCK_SIZES, "dtype": list(QUERY_DTYPES),
+     "per_head": [False, True], "layout": CACHE_LAYOUTS, "window": [False, True], "soft_cap": [False, True],
+     "strided": [False, True]})
+
+
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=case_id)
+def test_speculative_verification(device, case):
+    """q_len draft tokens per sequence (2, 4, 8) over caches of different lengths, next to a plain
+    decode row: each draft token sees the cache up to itself."""
+    index = VERIFY_CASES.index(case)
+    b, q = case["block_size"], case["q_len"]
+    seq_lens = [q, 3 * b + 5 + 7 * (index % 5), 1, 5 * b + 1]
+    q_lens = [q, q, 1, q]
+    run_case(case, seq_lens, q_lens, device, seed=3000 + index)
+
+
 @pytest.mark.parametrize("cache_format", CACHE_FORMATS)
 @pytest.mark.parametrize("decode", [True, False], ids=["decode", "varlen"])
 def test_multi_query_attention(device, cache_format, decode):

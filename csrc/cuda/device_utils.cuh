@@ -79,6 +79,21 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4
   }
 }
 
+// Loads four 8x8 matrices of 16-bit values from shared memory in mma fragment layout: lanes
+// 8m .. 8m + 7 give the addresses of matrix m's rows; register m receives matrix m.
+__device__ __forceinline__ void load_matrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr));
+}
+
+// As load_matrix_x4, each matrix transposed.
+__device__ __forceinline__ void load_matrix_x4_trans(uint32_t (&r)[4], uint32_t smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr));
+}
+
 // Transposes the warp's 8x8 matrix of 16-bit values held in mma fragment layout.
 __device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
   uint32_t y;

@@ -11,7 +11,7 @@ namespace fp8kv::cuda {
 
 // How paged attention splits its work; computed on the host from shapes only (no sync).
 struct AttentionPlan {
-  int64_t row_chunks;  // grid.x: query tokens x query-head chunks
+  int64_t row_chunks;  // grid.x: decode: sequences x query-head chunks; multi-token: query tiles (a bound)
   int num_splits;      // grid.y: context splits (flash-decoding); 1 writes `out` directly
   int split_tokens;    // context positions per split, a multiple of the tile group
 };

@@ -1,4 +1,5 @@
-// Tiling constants of the CUDA paged-attention kernels, shared by the kernels and the host planner.
+// Tiling constants of the CUDA paged-attention kernels (decode: attention::, multi-token: prefill::),
+// shared by the kernels and the host planner.
 #pragma once
 
 #include <algorithm>
@@ -46,3 +47,36 @@ template <CacheKind C>
 int prepare(int head_size);
 
 }  // namespace fp8kv::cuda::attention
+
+namespace fp8kv::cuda::prefill {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = 16 * kWarps;  // query rows per CTA, 16 per warp (the mma's M)
+constexpr int kSplitAlign = 64;     // split_tokens is a multiple of every head size's key tile
+// Fewer resident CTAs than this would leave the tensor cores idle while a CTA converts or waits.
+constexpr int kMinCtasPerSm = 2;
+
+// How a CTA's rows map to (query token, query head): the heads of one KV head's group vary
+// fastest, so every K/V tile read from the cache serves all of them.
+struct RowMap {
+  int heads_per_tile;   // min(group, kRows)
+  int head_chunks;      // ceil(group / heads_per_tile)
+  int tokens_per_tile;  // kRows / heads_per_tile
+
+  __host__ __device__ static RowMap make(int group) {
+    RowMap m;
+    m.heads_per_tile = group < kRows ? group : kRows;
+    m.head_chunks = (group + m.heads_per_tile - 1) / m.heads_per_tile;
+    m.tokens_per_tile = kRows / m.heads_per_tile;
+    return m;
+  }
+};
+
+// Defined per cache format in paged_attention_<format>.cu (prefill_attention_kernel.cuh).
+template <CacheKind C>
+cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws, cudaStream_t stream);
+template <CacheKind C>
+int prepare(int head_size);
+
+}  // namespace fp8kv::cuda::prefill

@@ -1,4 +1,5 @@
-// CUDA paged attention kernels over an FP8 (or 16-bit) cache: decode and multi-token queries.
+// CUDA paged-attention decode kernel over an FP8 (or 16-bit) cache (one query token per sequence;
+// multi-token queries: prefill_attention_kernel.cuh), and the split-KV merge both use.
 // Design notes: docs/cuda_decode_design.md. Instantiated per cache format by paged_attention_<format>.cu.
 #pragma once
 #include <algorithm>
@@ -311,55 +312,34 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
   }
 }
 
-// Finds the CTA's sequence, rows and cache range. Returns false when the CTA has no work.
-template <int D>
-__device__ __forceinline__ bool plan_cta(const PagedAttentionParams& p, int chunk_index, int split,
-                                         int split_tokens, CtaWork& w, RowInfo (&rows)[kRows], int (&row_lo)[kRows],
+// Finds the CTA's sequence, rows (query heads of one chunk of the group) and cache range.
+__device__ __forceinline__ void plan_cta(const PagedAttentionParams& p, int chunk_index, int split, int split_tokens,
+                                         CtaWork& w, RowInfo (&rows)[kRows], int (&row_lo)[kRows],
                                          int (&row_hi)[kRows]) {
   const int group = p.num_heads / p.num_kv_heads;
   const int head_chunks = (group + kRows - 1) / kRows;
-  const int token = chunk_index / head_chunks;
+  const int seq = chunk_index / head_chunks;
   const int head_chunk = chunk_index % head_chunks;
-  int seq = token, q_len = 1, first_token = token;
-  if (p.cu_seqlens_q != nullptr) {
-    int lo = 0, hi = p.num_seqs;  // largest seq with cu_seqlens_q[seq] <= token
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (__ldg(p.cu_seqlens_q + mid) <= token) lo = mid; else hi = mid;
-    }
-    seq = lo;
-    first_token = __ldg(p.cu_seqlens_q + seq);
-    q_len = __ldg(p.cu_seqlens_q + seq + 1) - first_token;
-  }
-  const int tokens_per_cta = group >= kRows ? 1 : kRows / group;
-  const int j0 = token - first_token;
-  if (j0 % tokens_per_cta != 0) return false;  // rows handled by the CTA of an earlier token
   const int heads_in_chunk = min(kRows, group - head_chunk * kRows);
   // Clamped to the table's capacity so that unchecked (non-debug) input never reads past it.
   const int seq_len = min(__ldg(p.seq_lens + seq), p.max_blocks_per_seq * p.block_size);
-  int lo_all = INT_MAX, hi_all = 0, lo_max = 0, hi_min = INT_MAX;
+  const int lo_all = p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
 #pragma unroll
   for (int n = 0; n < kRows; ++n) {
-    const int j = j0 + n / heads_in_chunk;
-    const bool valid = n < heads_in_chunk * tokens_per_cta && j < q_len && first_token + j < p.num_query_tokens;
-    rows[n].query_row = valid ? first_token + j : -1;
-    rows[n].head = valid ? w.kv_head * group + head_chunk * kRows + n % heads_in_chunk : 0;
-    // Causal: token j of q_len sits at position seq_len - q_len + j and sees positions up to it.
-    row_hi[n] = valid ? seq_len - q_len + j + 1 : 0;
-    row_lo[n] = valid && p.sliding_window > 0 ? max(0, row_hi[n] - p.sliding_window) : 0;
-    if (valid) {
-      lo_all = min(lo_all, row_lo[n]), hi_all = max(hi_all, row_hi[n]);
-      lo_max = max(lo_max, row_lo[n]), hi_min = min(hi_min, row_hi[n]);
-    }
+    const bool valid = n < heads_in_chunk;
+    rows[n].query_row = valid ? seq : -1;
+    rows[n].head = valid ? w.kv_head * group + head_chunk * kRows + n : 0;
+    row_hi[n] = valid ? seq_len : 0;
+    row_lo[n] = valid ? lo_all : 0;
   }
   w.seq = seq;
   w.block_shift = __ffs(p.block_size) - 1;
   w.lo = max(lo_all, split * split_tokens);
-  w.hi = min(hi_all, (split + 1) * split_tokens);
-  w.interior_lo = max(lo_max, w.lo);
-  w.interior_hi = min(hi_min, w.hi);
+  w.hi = min(seq_len, (split + 1) * split_tokens);
+  // Every row sees the same positions.
+  w.interior_lo = w.lo;
+  w.interior_hi = w.hi;
   w.first_page = w.lo >> w.block_shift;
-  return true;
 }
 
 template <CacheKind C, int D>
@@ -375,7 +355,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kerne
   w.kv_head = blockIdx.z;
   RowInfo rows[kRows];
   int row_lo[kRows], row_hi[kRows];
-  if (!plan_cta<D>(p, blockIdx.x, split, split_tokens, w, rows, row_lo, row_hi)) return;
+  plan_cta(p, blockIdx.x, split, split_tokens, w, rows, row_lo, row_hi);
   const bool query_bf16 = p.query_dtype == DType::kBFloat16;
 
   // Q^T fragments for S = K Q^T: column g of B is query row g; its k-step `step` holds the lane's

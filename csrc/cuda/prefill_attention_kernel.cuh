@@ -1,0 +1,472 @@
+// CUDA paged attention for multi-token queries (prefill, chunked prefill, speculative verification):
+// FlashAttention-2-style tiles over the paged FP8 (or 16-bit) cache. Design: docs/cuda_prefill_design.md.
+// Instantiated per cache format by paged_attention_<format>.cu, next to the decode kernel.
+#pragma once
+#include <algorithm>
+#include <climits>
+
+#include "paged_attention_kernel.cuh"
+
+namespace fp8kv::cuda::prefill {
+
+using attention::kLog2e;
+using attention::kRescaleSlack;
+
+// Shared-memory geometry. K and V tiles are read by the tensor cores as 16-bit rows of D
+// elements, 16-byte chunk c of row r stored at chunk c ^ (r % 8) (conflict-free ldmatrix); rows are
+// padded to a multiple of 8 chunks so the swizzle stays inside the row. FP8 tiles land raw
+// (row-major, D bytes per row) in a ring of stages and are converted into one operand buffer;
+// 16-bit tiles land directly in operand layout, one operand buffer per stage.
+template <CacheKind C, int D>
+struct Tile {
+  static constexpr bool kFp8 = CacheTraits<C>::kIsFp8;
+  static constexpr int kKeys = D <= 128 ? 64 : 32;  // keys per tile (bounds registers at D = 256)
+  static_assert(kSplitAlign % kKeys == 0, "splits must start on a tile");
+  static constexpr int kChunks = D / 8;               // 16-byte chunks of a 16-bit row
+  static constexpr int kRowBytes = (kChunks + 7) / 8 * 8 * 16;
+  static constexpr int kOperandBytes = kKeys * kRowBytes;  // one of K, V
+  static constexpr int kCopyChunks = D * CacheTraits<C>::kElemBytes / 16;  // 16-byte copies per cache row
+  static constexpr int kStages = 2;
+  static constexpr int kStageBytes = kFp8 ? 2 * kKeys * D : 2 * kOperandBytes;
+  static constexpr int kSmemBytes = kStages * kStageBytes + (kFp8 ? 2 * kOperandBytes : 0);
+};
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in an operand buffer.
+template <int kRowBytes>
+__device__ __forceinline__ unsigned operand_offset(unsigned row, unsigned chunk) {
+  return row * kRowBytes + ((chunk ^ (row & 7)) << 4);
+}
+
+// Finds the CTA's query tile among all sequences' tiles (ceil(q_len / tokens_per_tile) each, in
+// sequence order) with a block-wide scan of cu_seqlens_q. Returns false past the last tile.
+// Called by every thread of the CTA.
+__device__ __forceinline__ bool find_query_tile(const int32_t* cu_seqlens_q, int num_seqs, int tokens_per_tile,
+                                                int tile, int& seq, int& tile_in_seq) {
+  __shared__ int warp_totals[kWarps];
+  __shared__ int found[2];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (threadIdx.x == 0) found[0] = -1;
+  int base = 0;  // tiles of the sequences before this chunk of sequences
+  for (int start = 0; start < num_seqs; start += kThreads) {
+    const int i = start + threadIdx.x;
+    const int q_len = i < num_seqs ? __ldg(cu_seqlens_q + i + 1) - __ldg(cu_seqlens_q + i) : 0;
+    const int tiles = max(0, (q_len + tokens_per_tile - 1) / tokens_per_tile);
+    int inclusive = tiles;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int other = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += other;
+    }
+    if (lane == 31) warp_totals[warp] = inclusive;
+    __syncthreads();
+    int first = base + inclusive - tiles, total = 0;
+#pragma unroll
+    for (int x = 0; x < kWarps; ++x) {
+      if (x < warp) first += warp_totals[x];
+      total += warp_totals[x];
+    }
+    if (tiles > 0 && tile >= first && tile < first + tiles) found[0] = i, found[1] = tile - first;
+    __syncthreads();
+    if (found[0] >= 0) {
+      seq = found[0];
+      tile_in_seq = found[1];
+      return true;
+    }
+    base += total;
+  }
+  return false;
+}
+
+// The two query rows a lane owns in the mma fragments: warp rows g and g + 8.
+struct LaneRows {
+  int64_t query_row[2];  // row of query/out; -1: padding
+  int head[2];
+  int lo[2], hi[2];      // visible cache positions [lo, hi), within the CTA's split
+};
+
+// Everything a CTA knows about its work.
+struct PrefillWork {
+  int seq, kv_head;
+  int lo, hi;                    // positions any row of the CTA sees in this split
+  int warp_lo, warp_hi;          // positions any row of this warp sees
+  int interior_lo, interior_hi;  // positions every row of this warp sees (no mask needed)
+};
+
+// Fills the lane's rows and the CTA's / warp's position ranges. Returns false when the CTA has
+// nothing to do (past the last tile). Called by every thread of the CTA.
+__device__ __forceinline__ bool plan_prefill_cta(const PagedAttentionParams& p, int split, int split_tokens,
+                                                 PrefillWork& w, LaneRows& rows) {
+  const int group = p.num_heads / p.num_kv_heads;
+  const RowMap map = RowMap::make(group);
+  const int head_chunk = blockIdx.z % map.head_chunks;
+  w.kv_head = blockIdx.z / map.head_chunks;
+  int tile_in_seq = 0;
+  // Tiles in reverse order: in a causal sequence the later tiles have the most keys, so they start first.
+  if (!find_query_tile(p.cu_seqlens_q, p.num_seqs, map.tokens_per_tile, gridDim.x - 1 - blockIdx.x, w.seq,
+                       tile_in_seq)) {
+    return false;
+  }
+  const int first_token = __ldg(p.cu_seqlens_q + w.seq);
+  const int q_len = __ldg(p.cu_seqlens_q + w.seq + 1) - first_token;
+  const int j0 = tile_in_seq * map.tokens_per_tile;
+  const int tokens = min(map.tokens_per_tile, q_len - j0);
+  // Clamped to the table's capacity so that unchecked (non-debug) input never reads past it.
+  const int seq_len = min(__ldg(p.seq_lens + w.seq), p.max_blocks_per_seq * p.block_size);
+  const int split_lo = split * split_tokens, split_hi = split_lo + split_tokens;
+  // Causal: token j of q_len sits at position seq_len - q_len + j and sees positions up to it.
+  auto token_hi = [&](int j) { return seq_len - q_len + j + 1; };
+  auto token_lo = [&](int j) { return p.sliding_window > 0 ? max(0, token_hi(j) - p.sliding_window) : 0; };
+  w.lo = max(token_lo(j0), split_lo);
+  w.hi = min(token_hi(j0 + tokens - 1), split_hi);
+
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int lo_min = INT_MAX, hi_max = INT_MIN, lo_max = INT_MIN, hi_min = INT_MAX;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = 16 * warp + lane / 4 + 8 * r;
+    const int j = j0 + row / map.heads_per_tile;
+    const int head_in_group = head_chunk * map.heads_per_tile + row % map.heads_per_tile;
+    const bool valid = row < map.tokens_per_tile * map.heads_per_tile && j < j0 + tokens &&
+                       head_in_group < group && first_token + j < p.num_query_tokens;
+    rows.query_row[r] = valid ? first_token + j : -1;
+    rows.head[r] = w.kv_head * group + head_in_group;
+    rows.lo[r] = valid ? max(token_lo(j), w.lo) : 0;
+    rows.hi[r] = valid ? min(token_hi(j), w.hi) : 0;
+    if (valid) {
+      lo_min = min(lo_min, rows.lo[r]), hi_max = max(hi_max, rows.hi[r]);
+      lo_max = max(lo_max, rows.lo[r]), hi_min = min(hi_min, rows.hi[r]);
+    }
+  }
+  w.warp_lo = __reduce_min_sync(0xffffffffu, lo_min);
+  w.warp_hi = __reduce_max_sync(0xffffffffu, hi_max);
+  w.interior_lo = __reduce_max_sync(0xffffffffu, lo_max);
+  w.interior_hi = __reduce_min_sync(0xffffffffu, hi_min);
+  return true;
+}
+
+// Issues the cp.async copies of the K and V rows of tile [tile_start, tile_start + kKeys) into a
+// stage. Positions outside [w.lo, w.hi) and pages outside [0, num_blocks) are zero-filled, never read.
+template <CacheKind C, int D>
+__device__ __forceinline__ void stage_tile(const PagedAttentionParams& p, const PrefillWork& w,
+                                           const int32_t* table_row, int tile_start, uint8_t* stage) {
+  using T = Tile<C, D>;
+  constexpr int kElemBytes = CacheTraits<C>::kElemBytes;
+  const int block_shift = __ffs(p.block_size) - 1;
+  const auto* key_base = static_cast<const uint8_t*>(p.key_cache.data) +
+                         static_cast<int64_t>(w.kv_head) * p.key_cache.head_stride * kElemBytes;
+  const auto* value_base = static_cast<const uint8_t*>(p.value_cache.data) +
+                           static_cast<int64_t>(w.kv_head) * p.value_cache.head_stride * kElemBytes;
+  constexpr int kItems = T::kKeys * T::kCopyChunks;
+#pragma unroll
+  for (int i = 0; i < (kItems + kThreads - 1) / kThreads; ++i) {
+    const int item = threadIdx.x + i * kThreads;
+    if (kItems % kThreads != 0 && item >= kItems) break;
+    const int key = item / T::kCopyChunks, chunk = item % T::kCopyChunks;
+    const int pos = tile_start + key;
+    const int page = pos >= w.lo && pos < w.hi ? __ldg(table_row + (pos >> block_shift)) : -1;
+    // Entries outside [0, num_blocks) are reported in debug-check mode; here they read as zeros.
+    const bool valid = page >= 0 && page < p.num_blocks;
+    const int64_t safe_page = valid ? page : 0;
+    const int in_page = pos & (p.block_size - 1);
+    const uint8_t* key_src = key_base + (safe_page * p.key_cache.block_stride + in_page * p.key_cache.token_stride) *
+                                            kElemBytes + chunk * 16;
+    const uint8_t* value_src = value_base + (safe_page * p.value_cache.block_stride +
+                                             in_page * p.value_cache.token_stride) * kElemBytes + chunk * 16;
+    int key_dst, value_dst;
+    if constexpr (T::kFp8) {
+      key_dst = key * D + chunk * 16;
+      value_dst = T::kKeys * D + key_dst;
+    } else {
+      key_dst = operand_offset<T::kRowBytes>(key, chunk);
+      value_dst = T::kOperandBytes + key_dst;
+    }
+    copy_async<16>(stage + key_dst, key_src, valid);
+    copy_async<16>(stage + value_dst, value_src, valid);
+  }
+}
+
+// FP8 stage -> 16-bit operands, by the whole CTA. V's rows follow K's in both buffers, so the
+// tile is 2 * kKeys rows: each thread converts 8-byte runs (8 values) of rows it strides over.
+template <CacheKind C, int D>
+__device__ __forceinline__ void convert_tile(const uint8_t* stage, uint8_t* operands) {
+  using T = Tile<C, D>;
+  constexpr int kRuns = 2 * T::kKeys * T::kChunks;
+  auto convert_run = [&](unsigned row, unsigned chunk) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(stage + row * D + chunk * 8);
+    uint4 half;
+    fp8x4_to_half2x2<C>(raw.x, half.x, half.y);
+    fp8x4_to_half2x2<C>(raw.y, half.z, half.w);
+    *reinterpret_cast<uint4*>(operands + operand_offset<T::kRowBytes>(row, chunk)) = half;
+  };
+  if constexpr (kThreads % T::kChunks == 0) {
+    // A fixed chunk per thread: addresses are loop-invariant offsets, not registers per run.
+    constexpr unsigned kRowsPerPass = kThreads / T::kChunks;
+    const unsigned chunk = threadIdx.x % T::kChunks, first_row = threadIdx.x / T::kChunks;
+#pragma unroll
+    for (unsigned i = 0; i < kRuns / kThreads; ++i) convert_run(first_row + i * kRowsPerPass, chunk);
+  } else {
+#pragma unroll 2
+    for (unsigned run = threadIdx.x; run < kRuns; run += kThreads) convert_run(run / T::kChunks, run % T::kChunks);
+  }
+}
+
+// One warp's online-softmax state and output accumulator for its 16 rows (lane: rows g, g + 8).
+template <int D>
+struct WarpState {
+  float acc[D / 8][4];  // O fragments: [dim n-tile][c0..c3]
+  float row_max[2];     // running max of log2-domain logits (uniform across the row's 4 lanes)
+  float row_sum[2];     // this lane's share of the softmax denominator
+};
+
+// S = Q K^T, softmax update and O += P V for one tile, by one warp.
+template <CacheKind C, int D>
+__device__ __forceinline__ void attend_tile(const uint32_t (&q_frag)[D / 16][4], uint32_t key_smem, uint32_t value_smem,
+                                            WarpState<D>& st, const LaneRows& rows, int tile_start, bool interior,
+                                            float logit_multiplier, float soft_cap) {
+  using T = Tile<C, D>;
+  constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
+  constexpr int kKeyTiles = T::kKeys / 8;
+  const int lane = threadIdx.x % 32, t = lane % 4;
+  const int m = lane / 8, r = lane % 8;  // ldmatrix: lane supplies row r of matrix m
+
+  float s[kKeyTiles][4];
+#pragma unroll
+  for (int j = 0; j < kKeyTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+  // K fragments: matrices (keys 8j.., chunk 2step), (8j.., 2step+1), (8j+8.., 2step), (8j+8.., 2step+1).
+  const uint32_t key_lane = key_smem + (8 * (m / 2) + r) * T::kRowBytes;
+  const int key_swizzle = (m % 2) ^ r;
+#pragma unroll
+  for (int step = 0; step < D / 16; ++step) {
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; j += 2) {
+      uint32_t b[4];
+      load_matrix_x4(b, key_lane + j * 8 * T::kRowBytes + (((2 * step) ^ key_swizzle) << 4));
+      mma_16x8x16<kBf16>(s[j], q_frag[step], b[0], b[1]);
+      mma_16x8x16<kBf16>(s[j + 1], q_frag[step], b[2], b[3]);
+    }
+  }
+
+  // s[j][i]: row g + 8 * (i / 2), key tile_start + 8j + 2t + i % 2.
+#pragma unroll
+  for (int j = 0; j < kKeyTiles; ++j) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float x = s[j][i] * logit_multiplier;
+      if (soft_cap > 0.f) x = soft_cap * tanhf(x * (1.f / soft_cap)) * kLog2e;
+      if (!interior) {
+        const int pos = tile_start + 8 * j + 2 * t + i % 2;
+        if (!(pos >= rows.lo[i / 2] && pos < rows.hi[i / 2])) x = -INFINITY;
+      }
+      s[j][i] = x;
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) tile_max = fmaxf(tile_max, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    // Lazy rescale, as in the decode kernel: P may grow to 2^kRescaleSlack before the max moves.
+    if (tile_max > st.row_max[h] + kRescaleSlack) {
+      const float rescale = fast_exp2(st.row_max[h] - tile_max);  // 0 when the old max is -inf
+      st.row_sum[h] *= rescale;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) st.acc[n][2 * h] *= rescale, st.acc[n][2 * h + 1] *= rescale;
+      st.row_max[h] = tile_max;
+    }
+    // A row with no visible key so far keeps row_max = -inf: its probabilities are exp2(-inf) = 0.
+    const float reference = st.row_max[h] == -INFINITY ? 0.f : st.row_max[h];
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) {
+      s[j][2 * h] = fast_exp2(s[j][2 * h] - reference);
+      s[j][2 * h + 1] = fast_exp2(s[j][2 * h + 1] - reference);
+      st.row_sum[h] += s[j][2 * h] + s[j][2 * h + 1];
+    }
+  }
+
+  // O += P V: P's accumulator layout is the A fragment of the next mma (keys 16kk .. 16kk + 15);
+  // V fragments by transposing ldmatrix: matrices (keys 16kk.., chunk n), (16kk+8.., n), (16kk.., n+1), (16kk+8.., n+1).
+  const uint32_t value_lane = value_smem + (8 * (m % 2) + r) * T::kRowBytes;
+  const int value_swizzle = (m / 2) ^ r;
+#pragma unroll
+  for (int kk = 0; kk < T::kKeys / 16; ++kk) {
+    const uint32_t a[4] = {pack_pair<kBf16>(s[2 * kk][0], s[2 * kk][1]), pack_pair<kBf16>(s[2 * kk][2], s[2 * kk][3]),
+                           pack_pair<kBf16>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                           pack_pair<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+    for (int n = 0; n < D / 8; n += 2) {
+      uint32_t b[4];
+      load_matrix_x4_trans(b, value_lane + kk * 16 * T::kRowBytes + ((n ^ value_swizzle) << 4));
+      mma_16x8x16<kBf16>(st.acc[n], a, b[0], b[1]);
+      mma_16x8x16<kBf16>(st.acc[n + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+template <CacheKind C, int D>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+    prefill_attention_kernel(const PagedAttentionParams p, SplitWorkspace ws, int split_tokens) {
+  using T = Tile<C, D>;
+  constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
+  const int t = threadIdx.x % 4;
+  const int split = blockIdx.y;
+
+  PrefillWork w;
+  LaneRows rows;
+  if (!plan_prefill_cta(p, split, split_tokens, w, rows)) return;
+
+  // Q fragments (A of S = Q K^T): rows g, g + 8; k-step `step` holds dims 16 step + 2t (+1) and + 8.
+  uint32_t q_frag[D / 16][4];
+  const bool query_bf16 = p.query_dtype == DType::kBFloat16;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const auto* q = static_cast<const uint8_t*>(p.query) +
+                    (rows.query_row[r] * p.query_token_stride + static_cast<int64_t>(rows.head[r]) * p.query_head_stride) * 2;
+#pragma unroll
+    for (int step = 0; step < D / 16; ++step) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        uint32_t packed = 0u;
+        if (rows.query_row[r] >= 0) {
+          const float2 x = load_pair_as_float2(q + (16 * step + 8 * half + 2 * t) * 2, query_bf16);
+          packed = pack_pair<kBf16>(x.x, x.y);
+        }
+        q_frag[step][2 * half + r] = packed;
+      }
+    }
+  }
+
+  constexpr bool kFp8 = T::kFp8;
+  // Scales apply to FP8 caches only; an unquantized cache holds the values themselves.
+  const float k_scale = kFp8 ? p.k_scale.data[p.k_scale.per_head ? w.kv_head : 0] : 1.f;
+  float logit_multiplier = p.softmax_scale * k_scale;
+  if constexpr (kFp8) logit_multiplier *= fp8_decode_factor<C>();
+  const float soft_cap = p.logits_soft_cap;
+  if (soft_cap <= 0.f) logit_multiplier *= kLog2e;  // with a cap, log2(e) is applied after tanh
+
+  WarpState<D> st;
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) st.acc[n][0] = st.acc[n][1] = st.acc[n][2] = st.acc[n][3] = 0.f;
+  st.row_max[0] = st.row_max[1] = -INFINITY;
+  st.row_sum[0] = st.row_sum[1] = 0.f;
+
+  extern __shared__ __align__(128) uint8_t prefill_smem[];
+  uint8_t* smem = prefill_smem;
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  uint8_t* operands = smem + T::kStages * T::kStageBytes;  // FP8 only
+  const int32_t* table_row = p.block_tables + w.seq * p.block_table_stride;
+
+  const int first_tile = w.lo / T::kKeys * T::kKeys;
+  const int num_tiles = w.hi > w.lo ? (w.hi - first_tile + T::kKeys - 1) / T::kKeys : 0;
+  // Keep kStages - 1 tiles in flight; every iteration commits one (possibly empty) copy group.
+#pragma unroll
+  for (int k = 0; k < T::kStages - 1; ++k) {
+    if (k < num_tiles) stage_tile<C, D>(p, w, table_row, first_tile + k * T::kKeys, smem + k * T::kStageBytes);
+    copy_async_commit();
+  }
+  for (int k = 0; k < num_tiles; ++k) {
+    const int tile_start = first_tile + k * T::kKeys;
+    copy_async_wait<T::kStages - 2>();
+    // Tile k is visible to every thread, and every warp is done with tile k - 1 (its stage and operands).
+    __syncthreads();
+    const int ahead = k + T::kStages - 1;
+    if (ahead < num_tiles) {
+      stage_tile<C, D>(p, w, table_row, first_tile + ahead * T::kKeys, smem + (ahead % T::kStages) * T::kStageBytes);
+    }
+    copy_async_commit();
+    uint32_t key_smem;
+    if constexpr (kFp8) {
+      convert_tile<C, D>(smem + (k % T::kStages) * T::kStageBytes, operands);
+      __syncthreads();
+      key_smem = smem_base + T::kStages * T::kStageBytes;
+    } else {
+      key_smem = smem_base + (k % T::kStages) * T::kStageBytes;
+    }
+    // Warps whose rows see none of the tile skip it (causal rows before it, window rows after it).
+    if (tile_start < w.warp_hi && tile_start + T::kKeys > w.warp_lo) {
+      const bool interior = tile_start >= w.interior_lo && tile_start + T::kKeys <= w.interior_hi;
+      attend_tile<C, D>(q_frag, key_smem, key_smem + T::kOperandBytes, st, rows, tile_start, interior,
+                        logit_multiplier, soft_cap);
+    }
+  }
+  copy_async_wait<0>();
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    st.row_sum[h] += __shfl_xor_sync(0xffffffffu, st.row_sum[h], 1);
+    st.row_sum[h] += __shfl_xor_sync(0xffffffffu, st.row_sum[h], 2);
+  }
+  float v_scale = kFp8 ? p.v_scale.data[p.v_scale.per_head ? w.kv_head : 0] : 1.f;
+  if constexpr (kFp8) v_scale *= fp8_decode_factor<C>();
+  const bool out_bf16 = query_bf16;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (rows.query_row[h] < 0) continue;
+    const int64_t out_index = rows.query_row[h] * static_cast<int64_t>(p.num_heads) + rows.head[h];
+    if (ws.num_splits == 1) {
+      const float norm = st.row_sum[h] > 0.f ? v_scale / st.row_sum[h] : 0.f;  // no visible key: zeros
+      auto* out = static_cast<uint8_t*>(p.out) +
+                  (rows.query_row[h] * p.out_token_stride + static_cast<int64_t>(rows.head[h]) * p.out_head_stride) * 2;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        store_pair_from_float2(out + (8 * n + 2 * t) * 2, st.acc[n][2 * h] * norm, st.acc[n][2 * h + 1] * norm,
+                               out_bf16);
+      }
+    } else {
+      // Partials carry the value scale: the merge is then a plain log-sum-exp over splits.
+      const int64_t slot = static_cast<int64_t>(split) * ws.rows + out_index;
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n) {
+        *reinterpret_cast<float2*>(ws.acc + slot * D + 8 * n + 2 * t) =
+            make_float2(st.acc[n][2 * h] * v_scale, st.acc[n][2 * h + 1] * v_scale);
+      }
+      if (t == 0) ws.row_max[slot] = st.row_max[h], ws.row_sum[slot] = st.row_sum[h];
+    }
+  }
+}
+
+template <CacheKind C, int D>
+cudaError_t launch_head(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws,
+                        cudaStream_t stream) {
+  const RowMap map = RowMap::make(p.num_heads / p.num_kv_heads);
+  const dim3 grid(static_cast<unsigned>(plan.row_chunks), static_cast<unsigned>(plan.num_splits),
+                  static_cast<unsigned>(p.num_kv_heads * map.head_chunks));
+  prefill_attention_kernel<C, D><<<grid, kThreads, Tile<C, D>::kSmemBytes, stream>>>(p, ws, plan.split_tokens);
+  if (plan.num_splits > 1) {
+    attention::merge_splits_kernel<D><<<static_cast<unsigned>(ws.rows), attention::kMergeThreads, 0, stream>>>(p, ws);
+  }
+  return cudaGetLastError();
+}
+
+template <CacheKind C, int D>
+int prepare_head() {
+  static const int resident = [] {
+    auto* kernel = prefill_attention_kernel<C, D>;
+    int ctas = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile<C, D>::kSmemBytes) !=
+            cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads, Tile<C, D>::kSmemBytes) != cudaSuccess) {
+      return 0;
+    }
+    return ctas;
+  }();
+  return resident;
+}
+
+template <CacheKind C>
+cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws, cudaStream_t stream) {
+  return attention::with_head_size(p.head_size,
+                                   [&](auto head) { return launch_head<C, decltype(head)::value>(p, plan, ws, stream); });
+}
+
+template <CacheKind C>
+int prepare(int head_size) {
+  return attention::with_head_size(head_size, [](auto head) { return prepare_head<C, decltype(head)::value>(); });
+}
+
+#define FP8KV_INSTANTIATE_PREFILL(KIND)                                                                       \
+  template cudaError_t launch<KIND>(const PagedAttentionParams&, const AttentionPlan&, SplitWorkspace, cudaStream_t); \
+  template int prepare<KIND>(int);
+
+}  // namespace fp8kv::cuda::prefill
