@@ -12,6 +12,10 @@ namespace fp8kv::cuda::prefill {
 using attention::kLog2e;
 using attention::kRescaleSlack;
 
+#ifndef FP8KV_PREFILL_STAGES
+#define FP8KV_PREFILL_STAGES 4
+#endif
+
 // Shared-memory geometry. K and V tiles are read by the tensor cores as 16-bit rows of D
 // elements, 16-byte chunk c of row r stored at chunk c ^ (r % 8) (conflict-free ldmatrix); rows are
 // padded to a multiple of 8 chunks so the swizzle stays inside the row. FP8 tiles land raw
@@ -26,7 +30,9 @@ struct Tile {
   static constexpr int kRowBytes = (kChunks + 7) / 8 * 8 * 16;
   static constexpr int kOperandBytes = kKeys * kRowBytes;  // one of K, V
   static constexpr int kCopyChunks = D * CacheTraits<C>::kElemBytes / 16;  // 16-byte copies per cache row
-  static constexpr int kStages = 2;
+  // Tiles staged: kStages - 1 stay in flight while one is converted and attended (FP8 stages are
+  // half the size, so they go deeper).
+  static constexpr int kStages = kFp8 ? FP8KV_PREFILL_STAGES : FP8KV_PREFILL_STAGES - 1;
   static constexpr int kStageBytes = kFp8 ? 2 * kKeys * D : 2 * kOperandBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + (kFp8 ? 2 * kOperandBytes : 0);
 };
