@@ -35,6 +35,7 @@ struct Tile {
   static constexpr int kStages = kFp8 ? FP8KV_PREFILL_STAGES : FP8KV_PREFILL_STAGES - 1;
   static constexpr int kStageBytes = kFp8 ? 2 * kKeys * D : 2 * kOperandBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + (kFp8 ? 2 * kOperandBytes : 0);
+  static_assert(kSmemBytes >= kWarps * 32 * (D / 8 + 1) * 4 * 4, "the warp merge reuses the shared memory");
 };
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in an operand buffer.
@@ -93,6 +94,9 @@ struct LaneRows {
 // Everything a CTA knows about its work.
 struct PrefillWork {
   int seq, kv_head;
+  // At most 16 rows (decode rows, draft tokens): every warp takes the same rows and a 16-key
+  // slice of each tile, and the warps merge at the end, so short queries are not one warp's work.
+  bool shared_rows;
   int lo, hi;                    // positions any row of the CTA sees in this split
   int warp_lo, warp_hi;          // positions any row of this warp sees
   int interior_lo, interior_hi;  // positions every row of this warp sees (no mask needed)
@@ -126,10 +130,11 @@ __device__ __forceinline__ bool plan_prefill_cta(const PagedAttentionParams& p, 
   w.hi = min(token_hi(j0 + tokens - 1), split_hi);
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  w.shared_rows = tokens * map.heads_per_tile <= 16;
   int lo_min = INT_MAX, hi_max = INT_MIN, lo_max = INT_MIN, hi_min = INT_MAX;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = 16 * warp + lane / 4 + 8 * r;
+    const int row = (w.shared_rows ? 0 : 16 * warp) + lane / 4 + 8 * r;
     const int j = j0 + row / map.heads_per_tile;
     const int head_in_group = head_chunk * map.heads_per_tile + row % map.heads_per_tile;
     const bool valid = row < map.tokens_per_tile * map.heads_per_tile && j < j0 + tokens &&
@@ -225,13 +230,15 @@ struct WarpState {
 };
 
 // S = Q K^T, softmax update and O += P V for one tile, by one warp.
-template <CacheKind C, int D>
+// kKeys: the keys this warp attends to (the whole tile, or its slice with shared rows), starting at
+// key_smem / value_smem and at cache position tile_start.
+template <CacheKind C, int D, int kKeys>
 __device__ __forceinline__ void attend_tile(const uint32_t (&q_frag)[D / 16][4], uint32_t key_smem, uint32_t value_smem,
                                             WarpState<D>& st, const LaneRows& rows, int tile_start, bool interior,
                                             float logit_multiplier, float soft_cap) {
   using T = Tile<C, D>;
   constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
-  constexpr int kKeyTiles = T::kKeys / 8;
+  constexpr int kKeyTiles = kKeys / 8;
   const int lane = threadIdx.x % 32, t = lane % 4;
   const int m = lane / 8, r = lane % 8;  // ldmatrix: lane supplies row r of matrix m
 
@@ -296,7 +303,7 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&q_frag)[D / 16][4],
   const uint32_t value_lane = value_smem + (8 * (m % 2) + r) * T::kRowBytes;
   const int value_swizzle = (m / 2) ^ r;
 #pragma unroll
-  for (int kk = 0; kk < T::kKeys / 16; ++kk) {
+  for (int kk = 0; kk < kKeys / 16; ++kk) {
     const uint32_t a[4] = {pack_pair<kBf16>(s[2 * kk][0], s[2 * kk][1]), pack_pair<kBf16>(s[2 * kk][2], s[2 * kk][3]),
                            pack_pair<kBf16>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                            pack_pair<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
@@ -310,12 +317,51 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&q_frag)[D / 16][4],
   }
 }
 
+// Shared rows: folds every warp's state for rows 0..15 into warp 0's (log-sum-exp weights).
+// Returns true in warp 0, which then writes the rows. Called by every thread of the CTA.
+template <int D>
+__device__ __forceinline__ bool merge_warps(WarpState<D>& st, uint8_t* smem) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  auto acc = reinterpret_cast<float (*)[32][D / 8][4]>(smem);  // [warp][lane][n-tile][c]: as held
+  auto max_sum = reinterpret_cast<float (*)[32][4]>(smem + kWarps * 32 * D / 8 * 4 * sizeof(float));
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) {
+    *reinterpret_cast<float4*>(acc[warp][lane][n]) = make_float4(st.acc[n][0], st.acc[n][1], st.acc[n][2], st.acc[n][3]);
+  }
+  *reinterpret_cast<float4*>(max_sum[warp][lane]) = make_float4(st.row_max[0], st.row_max[1], st.row_sum[0], st.row_sum[1]);
+  __syncthreads();
+  if (warp != 0) return false;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float max_all = -INFINITY;
+#pragma unroll
+    for (int x = 0; x < kWarps; ++x) max_all = fmaxf(max_all, max_sum[x][lane][h]);
+    float weight[kWarps];
+    float sum = 0.f;
+#pragma unroll
+    for (int x = 0; x < kWarps; ++x) {
+      // A warp that saw no key has sum 0 and must not contribute.
+      weight[x] = max_sum[x][lane][2 + h] > 0.f ? fast_exp2(max_sum[x][lane][h] - max_all) : 0.f;
+      sum += weight[x] * max_sum[x][lane][2 + h];
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) {
+      float o0 = 0.f, o1 = 0.f;
+#pragma unroll
+      for (int x = 0; x < kWarps; ++x) o0 += weight[x] * acc[x][lane][n][2 * h], o1 += weight[x] * acc[x][lane][n][2 * h + 1];
+      st.acc[n][2 * h] = o0, st.acc[n][2 * h + 1] = o1;
+    }
+    st.row_max[h] = max_all, st.row_sum[h] = sum;
+  }
+  return true;
+}
+
 template <CacheKind C, int D>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     prefill_attention_kernel(const PagedAttentionParams p, SplitWorkspace ws, int split_tokens) {
   using T = Tile<C, D>;
   constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
-  const int t = threadIdx.x % 4;
+  const int t = threadIdx.x % 4, warp = threadIdx.x / 32;
   const int split = blockIdx.y;
 
   PrefillWork w;
@@ -389,11 +435,21 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     } else {
       key_smem = smem_base + (k % T::kStages) * T::kStageBytes;
     }
-    // Warps whose rows see none of the tile skip it (causal rows before it, window rows after it).
-    if (tile_start < w.warp_hi && tile_start + T::kKeys > w.warp_lo) {
-      const bool interior = tile_start >= w.interior_lo && tile_start + T::kKeys <= w.interior_hi;
-      attend_tile<C, D>(q_frag, key_smem, key_smem + T::kOperandBytes, st, rows, tile_start, interior,
-                        logit_multiplier, soft_cap);
+    // Warps whose rows see none of their keys skip them (causal rows before, window rows after).
+    auto attend = [&](auto keys, int offset) {
+      constexpr int kKeys = decltype(keys)::value;
+      const int start = tile_start + offset;
+      if (start < w.warp_hi && start + kKeys > w.warp_lo) {
+        const bool interior = start >= w.interior_lo && start + kKeys <= w.interior_hi;
+        const uint32_t key_rows = key_smem + offset * T::kRowBytes;
+        attend_tile<C, D, kKeys>(q_frag, key_rows, key_rows + T::kOperandBytes, st, rows, start, interior,
+                                 logit_multiplier, soft_cap);
+      }
+    };
+    if (!w.shared_rows) {
+      attend(std::integral_constant<int, T::kKeys>{}, 0);
+    } else if (16 * warp < T::kKeys) {
+      attend(std::integral_constant<int, 16>{}, 16 * warp);
     }
   }
   copy_async_wait<0>();
@@ -402,6 +458,10 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   for (int h = 0; h < 2; ++h) {
     st.row_sum[h] += __shfl_xor_sync(0xffffffffu, st.row_sum[h], 1);
     st.row_sum[h] += __shfl_xor_sync(0xffffffffu, st.row_sum[h], 2);
+  }
+  if (w.shared_rows) {
+    __syncthreads();  // every warp is done with the tiles: reuse their shared memory for the merge
+    if (!merge_warps<D>(st, smem)) return;
   }
   float v_scale = kFp8 ? p.v_scale.data[p.v_scale.per_head ? w.kv_head : 0] : 1.f;
   if constexpr (kFp8) v_scale *= fp8_decode_factor<C>();
