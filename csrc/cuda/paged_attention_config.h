@@ -54,8 +54,10 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16 * kWarps;  // query rows per CTA, 16 per warp (the mma's M)
 constexpr int kSplitAlign = 64;     // split_tokens is a multiple of every head size's key tile
-// Fewer resident CTAs than this would leave the tensor cores idle while a CTA converts or waits.
-constexpr int kMinCtasPerSm = 2;
+// Resident CTAs per SM the register budget must allow (__launch_bounds__): a CTA waits at its
+// barriers while it converts a tile, and other CTAs keep the tensor cores busy meanwhile. Head
+// sizes above 128 need more registers than three CTAs leave without spilling.
+constexpr int min_ctas_per_sm(int head_size) { return head_size <= 128 ? 3 : 2; }
 
 // How a CTA's rows map to (query token, query head): the heads of one KV head's group vary
 // fastest, so every K/V tile read from the cache serves all of them.

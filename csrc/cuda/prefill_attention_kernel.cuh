@@ -13,7 +13,7 @@ using attention::kLog2e;
 using attention::kRescaleSlack;
 
 #ifndef FP8KV_PREFILL_STAGES
-#define FP8KV_PREFILL_STAGES 4
+#define FP8KV_PREFILL_STAGES 2
 #endif
 
 // Shared-memory geometry. K and V tiles are read by the tensor cores as 16-bit rows of D
@@ -30,12 +30,11 @@ struct Tile {
   static constexpr int kRowBytes = (kChunks + 7) / 8 * 8 * 16;
   static constexpr int kOperandBytes = kKeys * kRowBytes;  // one of K, V
   static constexpr int kCopyChunks = D * CacheTraits<C>::kElemBytes / 16;  // 16-byte copies per cache row
-  // Tiles staged: kStages - 1 stay in flight while one is converted and attended (FP8 stages are
-  // half the size, so they go deeper).
-  static constexpr int kStages = kFp8 ? FP8KV_PREFILL_STAGES : FP8KV_PREFILL_STAGES - 1;
+  // Tiles staged: kStages - 1 stay in flight while one is converted and attended.
+  static constexpr int kStages = FP8KV_PREFILL_STAGES;
   static constexpr int kStageBytes = kFp8 ? 2 * kKeys * D : 2 * kOperandBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + (kFp8 ? 2 * kOperandBytes : 0);
-  static_assert(kSmemBytes >= kWarps * 32 * (D / 8 + 1) * 4 * 4, "the warp merge reuses the shared memory");
+  static_assert(kSmemBytes >= (kWarps - 1) * 32 * (D / 8 + 1) * 16, "the warp merge reuses the shared memory");
 };
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in an operand buffer.
@@ -317,38 +316,48 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&q_frag)[D / 16][4],
   }
 }
 
-// Shared rows: folds every warp's state for rows 0..15 into warp 0's (log-sum-exp weights).
+// Shared rows: folds the other warps' states for rows 0..15 into warp 0's (log-sum-exp weights).
 // Returns true in warp 0, which then writes the rows. Called by every thread of the CTA.
 template <int D>
 __device__ __forceinline__ bool merge_warps(WarpState<D>& st, uint8_t* smem) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  auto acc = reinterpret_cast<float (*)[32][D / 8][4]>(smem);  // [warp][lane][n-tile][c]: as held
-  auto max_sum = reinterpret_cast<float (*)[32][4]>(smem + kWarps * 32 * D / 8 * 4 * sizeof(float));
+  // Warps 1.. store their fragments as held: acc[warp - 1][lane][n-tile] = (c0, c1, c2, c3).
+  auto acc = reinterpret_cast<float4 (*)[32][D / 8]>(smem);
+  auto max_sum = reinterpret_cast<float4 (*)[32]>(smem + (kWarps - 1) * 32 * (D / 8) * sizeof(float4));
+  if (warp != 0) {
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) {
-    *reinterpret_cast<float4*>(acc[warp][lane][n]) = make_float4(st.acc[n][0], st.acc[n][1], st.acc[n][2], st.acc[n][3]);
+    for (int n = 0; n < D / 8; ++n) acc[warp - 1][lane][n] = make_float4(st.acc[n][0], st.acc[n][1], st.acc[n][2], st.acc[n][3]);
+    max_sum[warp - 1][lane] = make_float4(st.row_max[0], st.row_max[1], st.row_sum[0], st.row_sum[1]);
   }
-  *reinterpret_cast<float4*>(max_sum[warp][lane]) = make_float4(st.row_max[0], st.row_max[1], st.row_sum[0], st.row_sum[1]);
   __syncthreads();
   if (warp != 0) return false;
+  float4 others[kWarps - 1];
+#pragma unroll
+  for (int x = 0; x < kWarps - 1; ++x) others[x] = max_sum[x][lane];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float max_all = -INFINITY;
+    auto other_max = [&](int x) { return h == 0 ? others[x].x : others[x].y; };
+    auto other_sum = [&](int x) { return h == 0 ? others[x].z : others[x].w; };
+    float max_all = st.row_sum[h] > 0.f ? st.row_max[h] : -INFINITY;
 #pragma unroll
-    for (int x = 0; x < kWarps; ++x) max_all = fmaxf(max_all, max_sum[x][lane][h]);
-    float weight[kWarps];
-    float sum = 0.f;
+    for (int x = 0; x < kWarps - 1; ++x) max_all = fmaxf(max_all, other_sum(x) > 0.f ? other_max(x) : -INFINITY);
+    // A warp that saw no key has sum 0 and must not contribute.
+    const float own = st.row_sum[h] > 0.f ? fast_exp2(st.row_max[h] - max_all) : 0.f;
+    float weight[kWarps - 1];
+    float sum = own * st.row_sum[h];
 #pragma unroll
-    for (int x = 0; x < kWarps; ++x) {
-      // A warp that saw no key has sum 0 and must not contribute.
-      weight[x] = max_sum[x][lane][2 + h] > 0.f ? fast_exp2(max_sum[x][lane][h] - max_all) : 0.f;
-      sum += weight[x] * max_sum[x][lane][2 + h];
+    for (int x = 0; x < kWarps - 1; ++x) {
+      weight[x] = other_sum(x) > 0.f ? fast_exp2(other_max(x) - max_all) : 0.f;
+      sum += weight[x] * other_sum(x);
     }
 #pragma unroll
     for (int n = 0; n < D / 8; ++n) {
-      float o0 = 0.f, o1 = 0.f;
+      float o0 = own * st.acc[n][2 * h], o1 = own * st.acc[n][2 * h + 1];
 #pragma unroll
-      for (int x = 0; x < kWarps; ++x) o0 += weight[x] * acc[x][lane][n][2 * h], o1 += weight[x] * acc[x][lane][n][2 * h + 1];
+      for (int x = 0; x < kWarps - 1; ++x) {
+        const float4 a = acc[x][lane][n];
+        o0 += weight[x] * (h == 0 ? a.x : a.z), o1 += weight[x] * (h == 0 ? a.y : a.w);
+      }
       st.acc[n][2 * h] = o0, st.acc[n][2 * h + 1] = o1;
     }
     st.row_max[h] = max_all, st.row_sum[h] = sum;
@@ -357,7 +366,7 @@ __device__ __forceinline__ bool merge_warps(WarpState<D>& st, uint8_t* smem) {
 }
 
 template <CacheKind C, int D>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
     prefill_attention_kernel(const PagedAttentionParams p, SplitWorkspace ws, int split_tokens) {
   using T = Tile<C, D>;
   constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
