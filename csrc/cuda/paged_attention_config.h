@@ -48,6 +48,17 @@ int prepare(int head_size);
 
 }  // namespace fp8kv::cuda::attention
 
+// FP8KV_PREFILL_* exist for tuning experiments (set with CMAKE_ARGS=-DCMAKE_CUDA_FLAGS=...).
+#ifndef FP8KV_PREFILL_STAGES
+#define FP8KV_PREFILL_STAGES 4
+#endif
+#ifndef FP8KV_PREFILL_PREFETCH
+#define FP8KV_PREFILL_PREFETCH 2
+#endif
+#ifndef FP8KV_PREFILL_MIN_CTAS
+#define FP8KV_PREFILL_MIN_CTAS 2
+#endif
+
 namespace fp8kv::cuda::prefill {
 
 constexpr int kWarps = 4;
@@ -57,7 +68,7 @@ constexpr int kSplitAlign = 64;     // split_tokens is a multiple of every head 
 // Resident CTAs per SM the register budget must allow (__launch_bounds__): a CTA waits at its
 // barriers while it converts a tile, and other CTAs keep the tensor cores busy meanwhile. Head
 // sizes above 128 need more registers than three CTAs leave without spilling.
-constexpr int min_ctas_per_sm(int head_size) { return head_size <= 128 ? 3 : 2; }
+constexpr int min_ctas_per_sm(int head_size) { return head_size <= 128 ? FP8KV_PREFILL_MIN_CTAS : 2; }
 
 // How a CTA's rows map to (query token, query head): the heads of one KV head's group vary
 // fastest, so every K/V tile read from the cache serves all of them.

@@ -12,9 +12,6 @@ namespace fp8kv::cuda::prefill {
 using attention::kLog2e;
 using attention::kRescaleSlack;
 
-#ifndef FP8KV_PREFILL_STAGES
-#define FP8KV_PREFILL_STAGES 2
-#endif
 
 // Shared-memory geometry. K and V tiles are read by the tensor cores as 16-bit rows of D
 // elements, 16-byte chunk c of row r stored at chunk c ^ (r % 8) (conflict-free ldmatrix); rows are
@@ -229,6 +226,21 @@ struct WarpState {
 };
 
 // S = Q K^T, softmax update and O += P V for one tile, by one warp.
+// Runs load(i, fragment) kDepth - 1 items ahead of use(i, fragment), so that shared-memory
+// latency hides behind the tensor-core work of earlier items (fully unrolled: fragments stay in
+// registers).
+template <int kItems, int kDepth = FP8KV_PREFILL_PREFETCH + 1, typename Load, typename Use>
+__device__ __forceinline__ void pipelined(Load&& load, Use&& use) {
+  uint32_t fragments[kDepth][4];
+#pragma unroll
+  for (int i = 0; i < kDepth - 1 && i < kItems; ++i) load(i, fragments[i % kDepth]);
+#pragma unroll
+  for (int i = 0; i < kItems; ++i) {
+    if (i + kDepth - 1 < kItems) load(i + kDepth - 1, fragments[(i + kDepth - 1) % kDepth]);
+    use(i, fragments[i % kDepth]);
+  }
+}
+
 // kKeys: the keys this warp attends to (the whole tile, or its slice with shared rows), starting at
 // key_smem / value_smem and at cache position tile_start.
 template <CacheKind C, int D, int kKeys>
@@ -244,19 +256,21 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&q_frag)[D / 16][4],
   float s[kKeyTiles][4];
 #pragma unroll
   for (int j = 0; j < kKeyTiles; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-  // K fragments: matrices (keys 8j.., chunk 2step), (8j.., 2step+1), (8j+8.., 2step), (8j+8.., 2step+1).
+  // K fragments: matrices (keys 8j.., chunk 2step), (8j.., 2step+1), (8j+8.., 2step), (8j+8.., 2step+1);
+  // item i = (step, j / 2).
   const uint32_t key_lane = key_smem + (8 * (m / 2) + r) * T::kRowBytes;
   const int key_swizzle = (m % 2) ^ r;
-#pragma unroll
-  for (int step = 0; step < D / 16; ++step) {
-#pragma unroll
-    for (int j = 0; j < kKeyTiles; j += 2) {
-      uint32_t b[4];
-      load_matrix_x4(b, key_lane + j * 8 * T::kRowBytes + (((2 * step) ^ key_swizzle) << 4));
-      mma_16x8x16<kBf16>(s[j], q_frag[step], b[0], b[1]);
-      mma_16x8x16<kBf16>(s[j + 1], q_frag[step], b[2], b[3]);
-    }
-  }
+  constexpr int kKeyPairs = kKeyTiles / 2;
+  pipelined<D / 16 * kKeyPairs>(
+      [&](int i, uint32_t (&b)[4]) {
+        const int step = i / kKeyPairs, j = 2 * (i % kKeyPairs);
+        load_matrix_x4(b, key_lane + j * 8 * T::kRowBytes + (((2 * step) ^ key_swizzle) << 4));
+      },
+      [&](int i, const uint32_t (&b)[4]) {
+        const int step = i / kKeyPairs, j = 2 * (i % kKeyPairs);
+        mma_16x8x16<kBf16>(s[j], q_frag[step], b[0], b[1]);
+        mma_16x8x16<kBf16>(s[j + 1], q_frag[step], b[2], b[3]);
+      });
 
   // s[j][i]: row g + 8 * (i / 2), key tile_start + 8j + 2t + i % 2.
 #pragma unroll
@@ -301,19 +315,25 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&q_frag)[D / 16][4],
   // V fragments by transposing ldmatrix: matrices (keys 16kk.., chunk n), (16kk+8.., n), (16kk.., n+1), (16kk+8.., n+1).
   const uint32_t value_lane = value_smem + (8 * (m % 2) + r) * T::kRowBytes;
   const int value_swizzle = (m / 2) ^ r;
+  uint32_t p_frag[kKeys / 16][4];
 #pragma unroll
   for (int kk = 0; kk < kKeys / 16; ++kk) {
-    const uint32_t a[4] = {pack_pair<kBf16>(s[2 * kk][0], s[2 * kk][1]), pack_pair<kBf16>(s[2 * kk][2], s[2 * kk][3]),
-                           pack_pair<kBf16>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                           pack_pair<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
-#pragma unroll
-    for (int n = 0; n < D / 8; n += 2) {
-      uint32_t b[4];
-      load_matrix_x4_trans(b, value_lane + kk * 16 * T::kRowBytes + ((n ^ value_swizzle) << 4));
-      mma_16x8x16<kBf16>(st.acc[n], a, b[0], b[1]);
-      mma_16x8x16<kBf16>(st.acc[n + 1], a, b[2], b[3]);
-    }
+    p_frag[kk][0] = pack_pair<kBf16>(s[2 * kk][0], s[2 * kk][1]);
+    p_frag[kk][1] = pack_pair<kBf16>(s[2 * kk][2], s[2 * kk][3]);
+    p_frag[kk][2] = pack_pair<kBf16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    p_frag[kk][3] = pack_pair<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
   }
+  constexpr int kDimPairs = D / 16;  // item i = (kk, n / 2)
+  pipelined<kKeys / 16 * kDimPairs>(
+      [&](int i, uint32_t (&b)[4]) {
+        const int kk = i / kDimPairs, n = 2 * (i % kDimPairs);
+        load_matrix_x4_trans(b, value_lane + kk * 16 * T::kRowBytes + ((n ^ value_swizzle) << 4));
+      },
+      [&](int i, const uint32_t (&b)[4]) {
+        const int kk = i / kDimPairs, n = 2 * (i % kDimPairs);
+        mma_16x8x16<kBf16>(st.acc[n], p_frag[kk], b[0], b[1]);
+        mma_16x8x16<kBf16>(st.acc[n + 1], p_frag[kk], b[2], b[3]);
+      });
 }
 
 // Shared rows: folds the other warps' states for rows 0..15 into warp 0's (log-sum-exp weights).
