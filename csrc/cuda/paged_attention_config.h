@@ -50,13 +50,13 @@ int prepare(int head_size);
 
 // FP8KV_PREFILL_* exist for tuning experiments (set with CMAKE_ARGS=-DCMAKE_CUDA_FLAGS=...).
 #ifndef FP8KV_PREFILL_STAGES
-#define FP8KV_PREFILL_STAGES 4
+#define FP8KV_PREFILL_STAGES 2
 #endif
 #ifndef FP8KV_PREFILL_PREFETCH
 #define FP8KV_PREFILL_PREFETCH 2
 #endif
 #ifndef FP8KV_PREFILL_MIN_CTAS
-#define FP8KV_PREFILL_MIN_CTAS 2
+#define FP8KV_PREFILL_MIN_CTAS 3
 #endif
 
 namespace fp8kv::cuda::prefill {
