@@ -4,8 +4,8 @@
     compute-sanitizer --tool racecheck --error-exitcode 1 python scripts/sanitize_cuda.py --small
 
 Covers cache write (vectorized and scalar paths, skipped slots), kv_amax, and paged attention for
-every cache format and head size, decode and varlen, split-KV with its merge, sliding window, soft
-cap, HND layout, partial last pages and block-table entries that are never read (-1).
+every cache format and head size, decode, verification and prefill (both stagings of the
+multi-token kernel), split-KV with its merge, sliding window, soft cap, HND layout, partial last pages and block-table entries that are never read (-1).
 """
 
 import argparse
@@ -18,7 +18,8 @@ from fp8kv import ops
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, None]  # None: unquantized
 
 
-def attention_case(head_size, block_size, group, cache_dtype, decode, hnd, window, cap, long):
+def attention_case(head_size, block_size, group, cache_dtype, queries, hnd, window, cap, long):
+    """queries: 'decode' (one per sequence), 'verify' (1, 2 and 4 draft tokens) or 'prefill'."""
     device = "cuda"
     num_kv_heads, num_seqs = 2, 3
     query_dtype = torch.bfloat16
@@ -38,7 +39,9 @@ def attention_case(head_size, block_size, group, cache_dtype, decode, hnd, windo
         value_cache = torch.randn(shape, device=device).to(cache_dtype)
     if hnd:
         key_cache, value_cache = key_cache.permute(0, 2, 1, 3), value_cache.permute(0, 2, 1, 3)
-    q_lens = torch.ones(num_seqs, dtype=torch.int32) if decode else torch.minimum(torch.tensor([1, 3 * block_size + 5, 130]), lens).int()
+    decode = queries == "decode"
+    q_lens = torch.tensor({"decode": [1, 1, 1], "verify": [1, 2, 4], "prefill": [1, 3 * block_size + 5, 130]}[queries])
+    q_lens = torch.minimum(q_lens, lens).int()
     cu = None if decode else torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()]).to(device)
     num_tokens = int(q_lens.sum())
     query = torch.randn(num_tokens, group * num_kv_heads, head_size, device=device, dtype=query_dtype)
@@ -78,8 +81,9 @@ def main():
             break
     heads = [128] if args.small else [64, 80, 96, 128, 192, 256]
     for i, (head, cache) in enumerate(itertools.product(heads, FORMATS)):
-        for j, (decode, long) in enumerate([(True, True), (False, False), (True, False)]):
-            attention_case(head, [8, 16, 32][(i + j) % 3], [1, 4, 8, 16][(i + j) % 4], cache, decode,
+        for j, (queries, long) in enumerate([("decode", True), ("prefill", False), ("decode", False),
+                                              ("verify", True)]):
+            attention_case(head, [8, 16, 32][(i + j) % 3], [1, 4, 8, 16][(i + j) % 4], cache, queries,
                            hnd=(i + j) % 2 == 1, window=50 if j == 2 else -1, cap=20.0 if (i + j) % 3 == 0 else 0.0,
                            long=long)
             count += 1

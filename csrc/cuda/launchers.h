@@ -14,6 +14,7 @@ struct AttentionPlan {
   int64_t row_chunks;  // grid.x: decode: sequences x query-head chunks; multi-token: query tiles (a bound)
   int num_splits;      // grid.y: context splits (flash-decoding); 1 writes `out` directly
   int split_tokens;    // context positions per split, a multiple of the tile group
+  bool deep_staging;   // multi-token kernel: prefill::kDeepStages (see paged_attention_config.h)
 };
 
 // Per-split partial results, fp32, allocated by the caller when num_splits > 1.

@@ -89,13 +89,15 @@ cudaError_t plan_decode(const PagedAttentionParams& p, int num_sms, AttentionPla
 // count is bounded from host shapes (each sequence wastes at most one partial tile); CTAs past the
 // real count exit at once.
 cudaError_t plan_prefill(const PagedAttentionParams& p, int num_sms, AttentionPlan& plan) {
+  const int group = p.num_heads / p.num_kv_heads;
+  plan.deep_staging = prefill::use_deep_staging(p.num_query_tokens, group, p.num_seqs);
   int resident_per_sm = 0;
   const cudaError_t status = with_cache_kind(p.cache_dtype, [&](auto kind) {
-    resident_per_sm = prefill::prepare<decltype(kind)::value>(p.head_size);
+    resident_per_sm = prefill::prepare<decltype(kind)::value>(p.head_size, plan.deep_staging);
     return resident_per_sm > 0 ? cudaSuccess : cudaErrorInvalidConfiguration;
   });
   if (status != cudaSuccess) return status;
-  const prefill::RowMap map = prefill::RowMap::make(p.num_heads / p.num_kv_heads);
+  const prefill::RowMap map = prefill::RowMap::make(group);
   const int64_t packed_tiles = (p.num_query_tokens + map.tokens_per_tile - 1) / map.tokens_per_tile;
   plan.row_chunks = packed_tiles + p.num_seqs;
   if (plan.row_chunks > INT32_MAX) return cudaErrorInvalidValue;

@@ -48,27 +48,23 @@ int prepare(int head_size);
 
 }  // namespace fp8kv::cuda::attention
 
-// FP8KV_PREFILL_* exist for tuning experiments (set with CMAKE_ARGS=-DCMAKE_CUDA_FLAGS=...).
-#ifndef FP8KV_PREFILL_STAGES
-#define FP8KV_PREFILL_STAGES 2
-#endif
-#ifndef FP8KV_PREFILL_PREFETCH
-#define FP8KV_PREFILL_PREFETCH 2
-#endif
-#ifndef FP8KV_PREFILL_MIN_CTAS
-#define FP8KV_PREFILL_MIN_CTAS 3
-#endif
-
 namespace fp8kv::cuda::prefill {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16 * kWarps;  // query rows per CTA, 16 per warp (the mma's M)
 constexpr int kSplitAlign = 64;     // split_tokens is a multiple of every head size's key tile
-// Resident CTAs per SM the register budget must allow (__launch_bounds__): a CTA waits at its
-// barriers while it converts a tile, and other CTAs keep the tensor cores busy meanwhile. Head
-// sizes above 128 need more registers than three CTAs leave without spilling.
-constexpr int min_ctas_per_sm(int head_size) { return head_size <= 128 ? FP8KV_PREFILL_MIN_CTAS : 2; }
+// Two stagings of the same kernel. Shallow (2 stages, 3 CTAs per SM where registers allow) keeps
+// the tensor cores busy when CTAs have many rows (prefill); deep (4 stages, 3 tiles in flight,
+// 2 CTAs per SM) keeps enough bytes in flight when they have few (verification, decode rows), as
+// the kernel is then bound by memory.
+constexpr int kShallowStages = 2;
+constexpr int kDeepStages = 4;
+constexpr int min_ctas_per_sm(int head_size, int stages) { return head_size <= 128 && stages == kShallowStages ? 3 : 2; }
+// Deep staging when the average sequence's query rows fit one warp (decided from host shapes).
+inline bool use_deep_staging(int64_t num_query_tokens, int group, int num_seqs) {
+  return num_query_tokens * group <= 16 * static_cast<int64_t>(num_seqs);
+}
 
 // How a CTA's rows map to (query token, query head): the heads of one KV head's group vary
 // fastest, so every K/V tile read from the cache serves all of them.
@@ -90,6 +86,6 @@ struct RowMap {
 template <CacheKind C>
 cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws, cudaStream_t stream);
 template <CacheKind C>
-int prepare(int head_size);
+int prepare(int head_size, bool deep_staging);
 
 }  // namespace fp8kv::cuda::prefill

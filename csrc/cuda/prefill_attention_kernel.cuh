@@ -18,7 +18,7 @@ using attention::kRescaleSlack;
 // padded to a multiple of 8 chunks so the swizzle stays inside the row. FP8 tiles land raw
 // (row-major, D bytes per row) in a ring of stages and are converted into one operand buffer;
 // 16-bit tiles land directly in operand layout, one operand buffer per stage.
-template <CacheKind C, int D>
+template <CacheKind C, int D, int kStageCount = kShallowStages>
 struct Tile {
   static constexpr bool kFp8 = CacheTraits<C>::kIsFp8;
   static constexpr int kKeys = D <= 128 ? 64 : 32;  // keys per tile (bounds registers at D = 256)
@@ -27,8 +27,7 @@ struct Tile {
   static constexpr int kRowBytes = (kChunks + 7) / 8 * 8 * 16;
   static constexpr int kOperandBytes = kKeys * kRowBytes;  // one of K, V
   static constexpr int kCopyChunks = D * CacheTraits<C>::kElemBytes / 16;  // 16-byte copies per cache row
-  // Tiles staged: kStages - 1 stay in flight while one is converted and attended.
-  static constexpr int kStages = FP8KV_PREFILL_STAGES;
+  static constexpr int kStages = kStageCount;  // kStages - 1 tiles in flight while one is attended
   static constexpr int kStageBytes = kFp8 ? 2 * kKeys * D : 2 * kOperandBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + (kFp8 ? 2 * kOperandBytes : 0);
   static_assert(kSmemBytes >= (kWarps - 1) * 32 * (D / 8 + 1) * 16, "the warp merge reuses the shared memory");
@@ -229,7 +228,7 @@ struct WarpState {
 // Runs load(i, fragment) kDepth - 1 items ahead of use(i, fragment), so that shared-memory
 // latency hides behind the tensor-core work of earlier items (fully unrolled: fragments stay in
 // registers).
-template <int kItems, int kDepth = FP8KV_PREFILL_PREFETCH + 1, typename Load, typename Use>
+template <int kItems, int kDepth = 3, typename Load, typename Use>
 __device__ __forceinline__ void pipelined(Load&& load, Use&& use) {
   uint32_t fragments[kDepth][4];
 #pragma unroll
@@ -385,10 +384,10 @@ __device__ __forceinline__ bool merge_warps(WarpState<D>& st, uint8_t* smem) {
   return true;
 }
 
-template <CacheKind C, int D>
-__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
+template <CacheKind C, int D, int kStages>
+__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, kStages))
     prefill_attention_kernel(const PagedAttentionParams p, SplitWorkspace ws, int split_tokens) {
-  using T = Tile<C, D>;
+  using T = Tile<C, D, kStages>;
   constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
   const int t = threadIdx.x % 4, warp = threadIdx.x / 32;
   const int split = blockIdx.y;
@@ -521,27 +520,28 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
   }
 }
 
-template <CacheKind C, int D>
+template <CacheKind C, int D, int kStages>
 cudaError_t launch_head(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws,
                         cudaStream_t stream) {
   const RowMap map = RowMap::make(p.num_heads / p.num_kv_heads);
   const dim3 grid(static_cast<unsigned>(plan.row_chunks), static_cast<unsigned>(plan.num_splits),
                   static_cast<unsigned>(p.num_kv_heads * map.head_chunks));
-  prefill_attention_kernel<C, D><<<grid, kThreads, Tile<C, D>::kSmemBytes, stream>>>(p, ws, plan.split_tokens);
+  prefill_attention_kernel<C, D, kStages>
+      <<<grid, kThreads, Tile<C, D, kStages>::kSmemBytes, stream>>>(p, ws, plan.split_tokens);
   if (plan.num_splits > 1) {
     attention::merge_splits_kernel<D><<<static_cast<unsigned>(ws.rows), attention::kMergeThreads, 0, stream>>>(p, ws);
   }
   return cudaGetLastError();
 }
 
-template <CacheKind C, int D>
+template <CacheKind C, int D, int kStages>
 int prepare_head() {
   static const int resident = [] {
-    auto* kernel = prefill_attention_kernel<C, D>;
+    auto* kernel = prefill_attention_kernel<C, D, kStages>;
+    constexpr int kSmemBytes = Tile<C, D, kStages>::kSmemBytes;
     int ctas = 0;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile<C, D>::kSmemBytes) !=
-            cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads, Tile<C, D>::kSmemBytes) != cudaSuccess) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads, kSmemBytes) != cudaSuccess) {
       return 0;
     }
     return ctas;
@@ -549,19 +549,31 @@ int prepare_head() {
   return resident;
 }
 
-template <CacheKind C>
-cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws, cudaStream_t stream) {
-  return attention::with_head_size(p.head_size,
-                                   [&](auto head) { return launch_head<C, decltype(head)::value>(p, plan, ws, stream); });
+// Calls fn(head-size constant, stage-count constant).
+template <typename Fn>
+auto with_variant(int head_size, bool deep_staging, Fn&& fn) {
+  return attention::with_head_size(head_size, [&](auto head) {
+    return deep_staging ? fn(head, std::integral_constant<int, kDeepStages>{})
+                        : fn(head, std::integral_constant<int, kShallowStages>{});
+  });
 }
 
 template <CacheKind C>
-int prepare(int head_size) {
-  return attention::with_head_size(head_size, [](auto head) { return prepare_head<C, decltype(head)::value>(); });
+cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws, cudaStream_t stream) {
+  return with_variant(p.head_size, plan.deep_staging, [&](auto head, auto stages) {
+    return launch_head<C, decltype(head)::value, decltype(stages)::value>(p, plan, ws, stream);
+  });
+}
+
+template <CacheKind C>
+int prepare(int head_size, bool deep_staging) {
+  return with_variant(head_size, deep_staging, [](auto head, auto stages) {
+    return prepare_head<C, decltype(head)::value, decltype(stages)::value>();
+  });
 }
 
 #define FP8KV_INSTANTIATE_PREFILL(KIND)                                                                       \
   template cudaError_t launch<KIND>(const PagedAttentionParams&, const AttentionPlan&, SplitWorkspace, cudaStream_t); \
-  template int prepare<KIND>(int);
+  template int prepare<KIND>(int, bool);
 
 }  // namespace fp8kv::cuda::prefill
