@@ -52,7 +52,8 @@ namespace fp8kv::cuda::prefill {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kRows = 16 * kWarps;  // query rows per CTA, 16 per warp (the mma's M)
+constexpr int kWarpRows = 16;               // query rows per warp: the mma's M
+constexpr int kRows = kWarpRows * kWarps;  // query rows per CTA
 constexpr int kSplitAlign = 64;     // split_tokens is a multiple of every head size's key tile
 // Two stagings of the same kernel. Shallow (2 stages, 3 CTAs per SM where registers allow) keeps
 // the tensor cores busy when CTAs have many rows (prefill); deep (4 stages, 3 tiles in flight,
@@ -63,7 +64,7 @@ constexpr int kDeepStages = 4;
 constexpr int min_ctas_per_sm(int head_size, int stages) { return head_size <= 128 && stages == kShallowStages ? 3 : 2; }
 // Deep staging when the average sequence's query rows fit one warp (decided from host shapes).
 inline bool use_deep_staging(int64_t num_query_tokens, int group, int num_seqs) {
-  return num_query_tokens * group <= 16 * static_cast<int64_t>(num_seqs);
+  return num_query_tokens * group <= kWarpRows * static_cast<int64_t>(num_seqs);
 }
 
 // How a CTA's rows map to (query token, query head): the heads of one KV head's group vary

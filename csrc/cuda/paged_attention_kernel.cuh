@@ -12,6 +12,28 @@
 namespace fp8kv::cuda::attention {
 
 
+// Multiplier of a raw q.k giving the base-2 logit: softmax scale, k_scale (FP8 caches only; an
+// unquantized cache holds the values themselves) and the FP8 decode factor folded into one
+// number; log2(e) too unless a soft cap applies it after tanh (see soft_capped).
+template <CacheKind C>
+__device__ __forceinline__ float logit_multiplier(const PagedAttentionParams& p, int kv_head) {
+  float m = p.softmax_scale;
+  if constexpr (CacheTraits<C>::kIsFp8) m *= p.k_scale.data[p.k_scale.per_head ? kv_head : 0] * fp8_decode_factor<C>();
+  return p.logits_soft_cap > 0.f ? m : m * kLog2e;
+}
+
+// A logit scaled by logit_multiplier, soft-capped (cap > 0) and in base 2.
+__device__ __forceinline__ float soft_capped(float x, float cap) {
+  return cap > 0.f ? cap * tanhf(x * (1.f / cap)) * kLog2e : x;
+}
+
+// Factor of the normalized accumulator giving the output: v_scale and the FP8 decode factor.
+template <CacheKind C>
+__device__ __forceinline__ float output_scale(const PagedAttentionParams& p, int kv_head) {
+  if constexpr (CacheTraits<C>::kIsFp8) return p.v_scale.data[p.v_scale.per_head ? kv_head : 0] * fp8_decode_factor<C>();
+  return 1.f;
+}
+
 // Which bytes of a row each lane owns. With g = lane / 4 and t = lane % 4:
 // - K (mma A, rows = tokens g and g + 8): lane t owns D/4 elements, vector i of it at element
 //   (i * 4 + t) * kKVec;
@@ -54,7 +76,6 @@ struct CtaWork {
   int seq;
   int kv_head;
   int lo, hi;              // cache positions this CTA reads: [lo, hi)
-  int interior_lo, interior_hi;  // positions every real query row of the CTA sees (no masking needed)
   int block_shift;         // log2(block_size)
   int first_page;          // block-table index of position lo
 };
@@ -252,8 +273,7 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
   // edges of the rows' ranges need the mask (`interior` is uniform across the warp).
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    s[i] *= logit_multiplier;
-    if (soft_cap > 0.f) s[i] = soft_cap * tanhf(s[i] * (1.f / soft_cap)) * kLog2e;
+    s[i] = soft_capped(s[i] * logit_multiplier, soft_cap);
   }
   if (!interior) {
 #pragma unroll
@@ -313,9 +333,9 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
 }
 
 // Finds the CTA's sequence, rows (query heads of one chunk of the group) and cache range.
+// Every row of the CTA sees the same positions, [w.lo, w.hi).
 __device__ __forceinline__ void plan_cta(const PagedAttentionParams& p, int chunk_index, int split, int split_tokens,
-                                         CtaWork& w, RowInfo (&rows)[kRows], int (&row_lo)[kRows],
-                                         int (&row_hi)[kRows]) {
+                                         CtaWork& w, RowInfo (&rows)[kRows]) {
   const int group = p.num_heads / p.num_kv_heads;
   const int head_chunks = (group + kRows - 1) / kRows;
   const int seq = chunk_index / head_chunks;
@@ -329,16 +349,11 @@ __device__ __forceinline__ void plan_cta(const PagedAttentionParams& p, int chun
     const bool valid = n < heads_in_chunk;
     rows[n].query_row = valid ? seq : -1;
     rows[n].head = valid ? w.kv_head * group + head_chunk * kRows + n : 0;
-    row_hi[n] = valid ? seq_len : 0;
-    row_lo[n] = valid ? lo_all : 0;
   }
   w.seq = seq;
   w.block_shift = __ffs(p.block_size) - 1;
   w.lo = max(lo_all, split * split_tokens);
   w.hi = min(seq_len, (split + 1) * split_tokens);
-  // Every row sees the same positions.
-  w.interior_lo = w.lo;
-  w.interior_hi = w.hi;
   w.first_page = w.lo >> w.block_shift;
 }
 
@@ -354,8 +369,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kerne
   CtaWork w;
   w.kv_head = blockIdx.z;
   RowInfo rows[kRows];
-  int row_lo[kRows], row_hi[kRows];
-  plan_cta(p, blockIdx.x, split, split_tokens, w, rows, row_lo, row_hi);
+  plan_cta(p, blockIdx.x, split, split_tokens, w, rows);
   const bool query_bf16 = p.query_dtype == DType::kBFloat16;
 
   // Q^T fragments for S = K Q^T: column g of B is query row g; its k-step `step` holds the lane's
@@ -381,19 +395,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kerne
   }
 
   const int seq = w.seq;
-  // Scales apply to FP8 caches only; an unquantized cache holds the values themselves.
-  constexpr bool kFp8 = CacheTraits<C>::kIsFp8;
-  const float k_scale = kFp8 ? p.k_scale.data[p.k_scale.per_head ? w.kv_head : 0] : 1.f;
-  float logit_multiplier = p.softmax_scale * k_scale;
-  if constexpr (CacheTraits<C>::kIsFp8) logit_multiplier *= fp8_decode_factor<C>();
+  const float multiplier = logit_multiplier<C>(p, w.kv_head);
   const float soft_cap = p.logits_soft_cap;
-  if (soft_cap <= 0.f) logit_multiplier *= kLog2e;  // with a cap, log2(e) is applied after tanh
 
   int lo[2], hi[2];
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
-    lo[c] = max(row_lo[2 * t + c], w.lo);
-    hi[c] = min(row_hi[2 * t + c], w.hi);
+    const bool valid = rows[2 * t + c].query_row >= 0;  // padding columns see nothing
+    lo[c] = valid ? w.lo : 0;
+    hi[c] = valid ? w.hi : 0;
   }
 
   SoftmaxState<D> st;
@@ -442,8 +452,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kerne
     TileRows rows{};
     if constexpr (!Stg::kAsyncValues) rows = locate_tile(p, w, cursor, pages, tile_start(k), lane);
     read_tile<C, D>(regs, ring + (k % Stg::kStages) * Stg::kStageBytes, rows, lane);
-    const bool interior = tile_start(k) >= w.interior_lo && tile_start(k) + kTileTokens <= w.interior_hi;
-    attend_tile<C, D>(regs, q_frag, st, tile_start(k), interior, lo, hi, logit_multiplier, soft_cap, lane);
+    const bool interior = tile_start(k) >= w.lo && tile_start(k) + kTileTokens <= w.hi;
+    attend_tile<C, D>(regs, q_frag, st, tile_start(k), interior, lo, hi, multiplier, soft_cap, lane);
   }
   copy_async_wait<0>();
   __syncthreads();  // the ring is reused below for the warp merge
@@ -473,8 +483,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kerne
   }
   __syncthreads();
 
-  float v_scale = kFp8 ? p.v_scale.data[p.v_scale.per_head ? w.kv_head : 0] : 1.f;
-  if constexpr (CacheTraits<C>::kIsFp8) v_scale *= fp8_decode_factor<C>();
+  const float v_scale = output_scale<C>(p, w.kv_head);
   const bool out_bf16 = query_bf16;
   // 128 threads cover kRows columns x D dims, two adjacent dims per thread per pass.
   for (int item = threadIdx.x; item < kRows * D / 2; item += kThreads) {

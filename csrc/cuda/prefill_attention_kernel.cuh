@@ -9,7 +9,6 @@
 
 namespace fp8kv::cuda::prefill {
 
-using attention::kLog2e;
 using attention::kRescaleSlack;
 
 
@@ -125,11 +124,11 @@ __device__ __forceinline__ bool plan_prefill_cta(const PagedAttentionParams& p, 
   w.hi = min(token_hi(j0 + tokens - 1), split_hi);
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  w.shared_rows = tokens * map.heads_per_tile <= 16;
+  w.shared_rows = tokens * map.heads_per_tile <= kWarpRows;
   int lo_min = INT_MAX, hi_max = INT_MIN, lo_max = INT_MIN, hi_min = INT_MAX;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = (w.shared_rows ? 0 : 16 * warp) + lane / 4 + 8 * r;
+    const int row = (w.shared_rows ? 0 : kWarpRows * warp) + lane / 4 + 8 * r;
     const int j = j0 + row / map.heads_per_tile;
     const int head_in_group = head_chunk * map.heads_per_tile + row % map.heads_per_tile;
     const bool valid = row < map.tokens_per_tile * map.heads_per_tile && j < j0 + tokens &&
@@ -276,8 +275,7 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&q_frag)[D / 16][4],
   for (int j = 0; j < kKeyTiles; ++j) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float x = s[j][i] * logit_multiplier;
-      if (soft_cap > 0.f) x = soft_cap * tanhf(x * (1.f / soft_cap)) * kLog2e;
+      float x = attention::soft_capped(s[j][i] * logit_multiplier, soft_cap);
       if (!interior) {
         const int pos = tile_start + 8 * j + 2 * t + i % 2;
         if (!(pos >= rows.lo[i / 2] && pos < rows.hi[i / 2])) x = -INFINITY;
@@ -418,12 +416,8 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, kStages))
   }
 
   constexpr bool kFp8 = T::kFp8;
-  // Scales apply to FP8 caches only; an unquantized cache holds the values themselves.
-  const float k_scale = kFp8 ? p.k_scale.data[p.k_scale.per_head ? w.kv_head : 0] : 1.f;
-  float logit_multiplier = p.softmax_scale * k_scale;
-  if constexpr (kFp8) logit_multiplier *= fp8_decode_factor<C>();
+  const float multiplier = attention::logit_multiplier<C>(p, w.kv_head);
   const float soft_cap = p.logits_soft_cap;
-  if (soft_cap <= 0.f) logit_multiplier *= kLog2e;  // with a cap, log2(e) is applied after tanh
 
   WarpState<D> st;
 #pragma unroll
@@ -471,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, kStages))
         const bool interior = start >= w.interior_lo && start + kKeys <= w.interior_hi;
         const uint32_t key_rows = key_smem + offset * T::kRowBytes;
         attend_tile<C, D, kKeys>(q_frag, key_rows, key_rows + T::kOperandBytes, st, rows, start, interior,
-                                 logit_multiplier, soft_cap);
+                                 multiplier, soft_cap);
       }
     };
     if (!w.shared_rows) {
@@ -491,8 +485,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, kStages))
     __syncthreads();  // every warp is done with the tiles: reuse their shared memory for the merge
     if (!merge_warps<D>(st, smem)) return;
   }
-  float v_scale = kFp8 ? p.v_scale.data[p.v_scale.per_head ? w.kv_head : 0] : 1.f;
-  if constexpr (kFp8) v_scale *= fp8_decode_factor<C>();
+  const float v_scale = attention::output_scale<C>(p, w.kv_head);
   const bool out_bf16 = query_bf16;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
