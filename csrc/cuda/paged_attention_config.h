@@ -19,7 +19,11 @@ namespace fp8kv::cuda::attention {
 #ifndef FP8KV_ATTENTION_MIN_CTAS
 #define FP8KV_ATTENTION_MIN_CTAS 1
 #endif
+#ifndef FP8KV_ATTENTION_DEPENDENT_MERGE
+#define FP8KV_ATTENTION_DEPENDENT_MERGE 1
+#endif
 constexpr int kWarps = FP8KV_ATTENTION_WARPS;
+constexpr bool kDependentMerge = FP8KV_ATTENTION_DEPENDENT_MERGE;  // merge launched as a dependent grid (sm_90+)
 constexpr int kMaxStages = FP8KV_ATTENTION_STAGES;  // tiles staged per warp (kMaxStages - 1 in flight)
 constexpr int kMinCtasPerSm = FP8KV_ATTENTION_MIN_CTAS;  // register cap via __launch_bounds__
 constexpr int kThreads = kWarps * 32;

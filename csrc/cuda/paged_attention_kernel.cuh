@@ -80,89 +80,56 @@ struct CtaWork {
   int first_page;          // block-table index of position lo
 };
 
-// Per-lane byte offsets for addressing the CTA's tiles, computed once per CTA.
-struct LaneCursor {
-  const uint8_t* key_head;    // key cache at block 0, token 0, the CTA's KV head
-  const uint8_t* value_head;
-  // Byte strides fit in 31 bits (checked by the bindings), so addressing is 32-bit multiplies.
-  int key_block_bytes, value_block_bytes;
-  int key_token_bytes, value_token_bytes;
-  int key_lane;       // token g of a half, the lane's first K vector
-  int value_lane[2];  // tokens 2t and 2t + 1 of a half, the lane's first V vector
-};
-
-template <CacheKind C, int D>
-__device__ __forceinline__ LaneCursor make_cursor(const PagedAttentionParams& p, int kv_head, int lane) {
-  using L = Layout<C, D>;
-  const int g = lane / 4, t = lane % 4;
-  LaneCursor c;
-  c.key_head = static_cast<const uint8_t*>(p.key_cache.data) +
-               static_cast<int64_t>(kv_head) * p.key_cache.head_stride * L::kElemBytes;
-  c.value_head = static_cast<const uint8_t*>(p.value_cache.data) +
-                 static_cast<int64_t>(kv_head) * p.value_cache.head_stride * L::kElemBytes;
-  c.key_block_bytes = static_cast<int>(p.key_cache.block_stride * L::kElemBytes);
-  c.value_block_bytes = static_cast<int>(p.value_cache.block_stride * L::kElemBytes);
-  c.key_token_bytes = static_cast<int>(p.key_cache.token_stride * L::kElemBytes);
-  c.value_token_bytes = static_cast<int>(p.value_cache.token_stride * L::kElemBytes);
-  c.key_lane = g * c.key_token_bytes + t * L::kKVecBytes;
-  c.value_lane[0] = (2 * t) * c.value_token_bytes + g * L::kVVecBytes;
-  c.value_lane[1] = c.value_lane[0] + c.value_token_bytes;
-  // Keep the bases in registers: otherwise the compiler re-derives them (64-bit multiplies of
-  // kernel parameters) for every tile.
-  asm("" : "+l"(c.key_head), "+l"(c.value_head));
-  return c;
-}
-
-// Where a lane's rows of one tile live; invalid rows (outside [lo, hi) or behind a bad table entry)
-// are never read and stay zero.
-struct TileRows {
-  const uint8_t* key[2];    // tokens g, g + 8
-  const uint8_t* value[4];  // tokens 2t, 2t + 1, 2t + 8, 2t + 9
-  bool key_valid[2], value_valid[4];
-};
-
-// `pages` holds the CTA's slice of its block-table row, starting at w.first_page.
-__device__ __forceinline__ TileRows locate_tile(const PagedAttentionParams& p, const CtaWork& w, const LaneCursor& c,
-                                                const int32_t* pages, int tile_start, int lane) {
-  const int g = lane / 4, t = lane % 4;
-  const int block_mask = (1 << w.block_shift) - 1;
-  TileRows rows;
-  // A tile's two 8-token halves each lie in one page (block_size >= 8, a power of two).
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int first = tile_start + 8 * h;
-    const bool half_in_range = first + 7 >= w.lo && first < w.hi;
-    const int page = half_in_range ? pages[(first >> w.block_shift) - w.first_page] : -1;
-    // Entries outside [0, num_blocks) are reported in debug-check mode; here they read as zeros.
-    const bool page_valid = page >= 0 && page < p.num_blocks;
-    const int in_page = first & block_mask;
-    const int safe_page = page_valid ? page : 0;
-    const uint8_t* key_half = c.key_head + static_cast<int64_t>(safe_page) * c.key_block_bytes +
-                              (in_page * c.key_token_bytes + c.key_lane);
-    const uint8_t* value_half = c.value_head + static_cast<int64_t>(safe_page) * c.value_block_bytes +
-                                in_page * c.value_token_bytes;
-    rows.key[h] = key_half;
-    rows.key_valid[h] = page_valid && first + g >= w.lo && first + g < w.hi;
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int pos = first + 2 * t + r;
-      rows.value[2 * h + r] = value_half + c.value_lane[r];
-      rows.value_valid[2 * h + r] = page_valid && pos >= w.lo && pos < w.hi;
+// Shared-memory wavefronts of one warp-wide load where lane l reads `width` bytes at byte
+// address(l): 4-byte banks; 16-byte loads go in four phases of 8 lanes, 8-byte loads in two of 16.
+template <typename Address>
+constexpr int load_wavefronts(Address address, int width) {
+  const int lanes_per_phase = width == 16 ? 8 : width == 8 ? 16 : 32;
+  int total = 0;
+  for (int first = 0; first < 32; first += lanes_per_phase) {
+    int worst = 1;
+    for (int bank = 0; bank < 32; ++bank) {
+      int words[32] = {}, distinct = 0;  // words of this bank the phase touches
+      for (int lane = first; lane < first + lanes_per_phase; ++lane) {
+        for (int byte = 0; byte < width; byte += 4) {
+          const int word = (address(lane) + byte) / 4;
+          bool seen = word % 32 != bank;
+          for (int i = 0; i < distinct; ++i) seen = seen || words[i] == word;
+          if (!seen) words[distinct++] = word;
+        }
+      }
+      worst = distinct > worst ? distinct : worst;
     }
+    total += worst;
   }
-  return rows;
+  return total;
 }
 
-// Lane-private staging of tiles in shared memory: each lane copies (cp.async) exactly the bytes it
-// later reads, so it waits only for its own copies and the loop needs no barrier. Unit u of a lane
-// sits at (u * 32 + lane) * unit_bytes: consecutive lanes, consecutive banks.
+// Smallest row pitch (row_bytes padded by 0-112 bytes) with the fewest wavefronts for the fragment
+// loads: lane (g, t) = (lane / 4, lane % 4) reads row row_step * (is_key ? g : t) at byte
+// vec * (is_key ? t : g) of the row.
+constexpr int conflict_free_pitch(int row_bytes, int vec, bool is_key) {
+  int best = row_bytes, best_wavefronts = 1 << 30;
+  for (int pad = 0; pad < 128; pad += 16) {
+    const int pitch = row_bytes + pad;
+    const int wavefronts = load_wavefronts(
+        [=](int lane) { return is_key ? (lane / 4) * pitch + (lane % 4) * vec : 2 * (lane % 4) * pitch + (lane / 4) * vec; },
+        vec);
+    if (wavefronts < best_wavefronts) best = pitch, best_wavefronts = wavefronts;
+  }
+  return best;
+}
+
+// Per-warp staging of 16-token tiles in shared memory: K rows then V rows, each row as in the cache,
+// at pitches padded so that the fragment loads of read_tile are free of bank conflicts.
 template <CacheKind C, int D>
 struct Staging {
   using L = Layout<C, D>;
-  static constexpr bool kAsyncValues = L::kVVecBytes >= 4;  // cp.async moves 4, 8 or 16 bytes
-  static constexpr int kKeyBytes = 32 * 2 * L::kKBytes;     // per warp and tile
-  static constexpr int kValueBytes = kAsyncValues ? 32 * 4 * L::kVBytes : 0;
-  static constexpr int kStageBytes = kKeyBytes + kValueBytes;
+  static constexpr int kRowBytes = D * L::kElemBytes;  // a multiple of 16 for every head size
+  static constexpr int kKeyPitch = conflict_free_pitch(kRowBytes, L::kKVecBytes, true);
+  static constexpr int kValuePitch = conflict_free_pitch(kRowBytes, L::kVVecBytes, false);
+  static constexpr int kValueOffset = kTileTokens * kKeyPitch;
+  static constexpr int kStageBytes = kValueOffset + kTileTokens * kValuePitch;
   static constexpr int kRingBudget = 96 * 1024;  // per CTA
   static constexpr int kStages = std::max(2, std::min(kMaxStages, kRingBudget / (kWarps * kStageBytes)));
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
@@ -172,62 +139,86 @@ struct Staging {
   static constexpr int kTypicalPagesBytes = 2048;
 };
 
+// The cache rows a lane stages (K for lanes 0-15, V for 16-31) at the CTA's KV head. Byte strides
+// fit in 31 bits (checked by the bindings), so in-block addressing is 32-bit.
+struct RowSource {
+  const uint8_t* head;  // block 0, token 0 of the KV head
+  int block_bytes;
+  int token_bytes;
+};
 
+template <CacheKind C>
+__device__ __forceinline__ RowSource make_row_source(const PagedAttentionParams& p, int kv_head, int lane) {
+  constexpr int kElemBytes = CacheTraits<C>::kElemBytes;
+  const CacheView& cache = lane < 16 ? p.key_cache : p.value_cache;
+  RowSource s;
+  s.head = static_cast<const uint8_t*>(cache.data) + static_cast<int64_t>(kv_head) * cache.head_stride * kElemBytes;
+  s.block_bytes = static_cast<int>(cache.block_stride * kElemBytes);
+  s.token_bytes = static_cast<int>(cache.token_stride * kElemBytes);
+  // Keep the base in a register: otherwise the compiler re-derives it from kernel parameters per tile.
+  asm("" : "+l"(s.head));
+  return s;
+}
 
-// Row pointers are valid addresses even for invalid rows (those point into block 0), so a
-// zero-filling copy can use them as they are.
+// Stages a 16-token tile: lane l locates row l % 16 of K (l < 16) or V (l >= 16); then consecutive
+// lanes copy consecutive 16-byte pieces of the rows (cp.async, the row's source shuffled from the
+// lane that located it), so every copy instruction reads whole rows of the cache. Rows outside
+// [w.lo, w.hi) or behind a block-table entry outside [0, num_blocks) are not read but zero-filled,
+// so masked keys and values stay finite (a stale FP8 NaN code would survive a zero probability).
+// `pages` holds the CTA's slice of its block-table row, starting at w.first_page.
 template <CacheKind C, int D>
-__device__ __forceinline__ void stage_tile(uint8_t* stage, const TileRows& rows, int lane) {
-  using L = Layout<C, D>;
+__device__ __forceinline__ void stage_tile(uint8_t* stage, const RowSource& src, const int32_t* pages,
+                                           const CtaWork& w, int num_blocks, int tile_start, int lane) {
   using S = Staging<C, D>;
+  const int pos = tile_start + lane % 16;
+  const bool in_range = pos >= w.lo && pos < w.hi;
+  const int page = in_range ? pages[(pos >> w.block_shift) - w.first_page] : -1;
+  const bool valid = page >= 0 && page < num_blocks;  // other entries: reported in debug-check mode
+  const uint8_t* from = src.head + static_cast<int64_t>(valid ? page : 0) * src.block_bytes +
+                        (pos & ((1 << w.block_shift) - 1)) * src.token_bytes;
+  constexpr int kPieces = S::kRowBytes / 16;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-#pragma unroll
-    for (int i = 0; i < L::kKVecs; ++i) {
-      copy_async<L::kKVecBytes>(stage + ((r * L::kKVecs + i) * 32 + lane) * L::kKVecBytes,
-                                rows.key[r] + i * 4 * L::kKVecBytes, rows.key_valid[r]);
-    }
-  }
-  if constexpr (S::kAsyncValues) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-#pragma unroll
-      for (int i = 0; i < L::kVVecs; ++i) {
-        copy_async<L::kVVecBytes>(stage + S::kKeyBytes + ((r * L::kVVecs + i) * 32 + lane) * L::kVVecBytes,
-                                  rows.value[r] + i * 8 * L::kVVecBytes, rows.value_valid[r]);
-      }
-    }
+  for (int j = 0; j < kPieces; ++j) {
+    const int piece = j * 32 + lane;
+    const int row = piece / kPieces, offset = (piece % kPieces) * 16;
+    const auto* row_from =
+        reinterpret_cast<const uint8_t*>(__shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(from), row));
+    const bool row_valid = __shfl_sync(0xffffffffu, valid, row);
+    uint8_t* row_to = stage + (row < 16 ? row * S::kKeyPitch : S::kValueOffset + (row - 16) * S::kValuePitch);
+    copy_async<16>(row_to + offset, row_from + offset, row_valid);
   }
 }
 
+// Loads the lane's fragment bytes of a staged tile (see Layout for which bytes a lane owns).
 template <CacheKind C, int D>
-__device__ __forceinline__ void read_tile(TileRegs<C, D>& regs, const uint8_t* stage, const TileRows& rows, int lane) {
+__device__ __forceinline__ void read_tile(TileRegs<C, D>& regs, const uint8_t* stage, int lane) {
   using L = Layout<C, D>;
   using S = Staging<C, D>;
+  const int g = lane / 4, t = lane % 4;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
+  for (int h = 0; h < 2; ++h) {
 #pragma unroll
     for (int i = 0; i < L::kKVecs; ++i) {
-      load_words<L::kKVecBytes>(stage + ((r * L::kKVecs + i) * 32 + lane) * L::kKVecBytes,
-                                regs.k[r] + i * (L::kKVecBytes / 4));
+      load_words<L::kKVecBytes>(stage + (g + 8 * h) * S::kKeyPitch + (i * 4 + t) * L::kKVecBytes,
+                                regs.k[h] + i * (L::kKVecBytes / 4));
     }
   }
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    if constexpr (S::kAsyncValues) {
+    const uint8_t* row = stage + S::kValueOffset + (2 * t + r % 2 + 8 * (r / 2)) * S::kValuePitch;
+    if constexpr (L::kVVecBytes >= 4) {
 #pragma unroll
       for (int i = 0; i < L::kVVecs; ++i) {
-        load_words<L::kVVecBytes>(stage + S::kKeyBytes + ((r * L::kVVecs + i) * 32 + lane) * L::kVVecBytes,
-                                  regs.v[r] + i * (L::kVVecBytes / 4));
+        load_words<L::kVVecBytes>(row + (i * 8 + g) * L::kVVecBytes, regs.v[r] + i * (L::kVVecBytes / 4));
       }
     } else {
-      // 2-byte vectors (FP8, head size 80) are below cp.async's granule: read them directly, two per word.
+      // 2-byte vectors (FP8, head size 80): two per word.
 #pragma unroll
       for (int x = 0; x < L::kVWords; ++x) regs.v[r][x] = 0u;
 #pragma unroll
       for (int i = 0; i < L::kVVecs; ++i) {
-        uint32_t half = 0u;
-        if (rows.value_valid[r]) half = __ldg(reinterpret_cast<const unsigned short*>(rows.value[r] + i * 8 * 2));
+        uint32_t half;
+        load_words<2>(row + (i * 8 + g) * 2, &half);
         regs.v[r][i / 2] |= half << (16 * (i % 2));
       }
     }
@@ -365,6 +356,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kerne
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;
   const int split = blockIdx.y;
+  if (ws.num_splits > 1) allow_dependent_grid();  // the merge may start its CTAs (they wait for this grid)
 
   CtaWork w;
   w.kv_head = blockIdx.z;
@@ -422,7 +414,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kerne
     for (int i = threadIdx.x; i < num_pages; i += kThreads) pages[i] = __ldg(table_row + w.first_page + i);
   }
   __syncthreads();
-  const LaneCursor cursor = make_cursor<C, D>(p, w.kv_head, lane);
+  const RowSource source = make_row_source<C>(p, w.kv_head, lane);
 
   const int first_tile = (w.lo / kTileTokens) * kTileTokens;
   const int num_tiles = w.hi > w.lo ? (w.hi - first_tile + kTileTokens - 1) / kTileTokens : 0;
@@ -431,29 +423,26 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kerne
   auto tile_start = [&](int k) { return first_tile + (warp + k * kWarps) * kTileTokens; };
 
   uint8_t* ring = smem + warp * Stg::kStages * Stg::kStageBytes;
+  auto stage = [&](int k) {
+    stage_tile<C, D>(ring + (k % Stg::kStages) * Stg::kStageBytes, source, pages, w, p.num_blocks, tile_start(k), lane);
+  };
   // Keep kStages - 1 tiles in flight; every iteration commits one (possibly empty) copy group, so
   // waiting for all but the newest kStages - 1 groups means tile k has landed.
 #pragma unroll
   for (int k = 0; k < Stg::kStages - 1; ++k) {
-    if (k < my_tiles) {
-      stage_tile<C, D>(ring + k * Stg::kStageBytes, locate_tile(p, w, cursor, pages, tile_start(k), lane), lane);
-    }
+    if (k < my_tiles) stage(k);
     copy_async_commit();
   }
   TileRegs<C, D> regs;
   for (int k = 0; k < my_tiles; ++k) {
-    const int ahead = k + Stg::kStages - 1;
-    if (ahead < my_tiles) {
-      stage_tile<C, D>(ring + (ahead % Stg::kStages) * Stg::kStageBytes,
-                       locate_tile(p, w, cursor, pages, tile_start(ahead), lane), lane);
-    }
+    if (k + Stg::kStages - 1 < my_tiles) stage(k + Stg::kStages - 1);
     copy_async_commit();
     copy_async_wait<Stg::kStages - 1>();
-    TileRows rows{};
-    if constexpr (!Stg::kAsyncValues) rows = locate_tile(p, w, cursor, pages, tile_start(k), lane);
-    read_tile<C, D>(regs, ring + (k % Stg::kStages) * Stg::kStageBytes, rows, lane);
+    __syncwarp();  // rows copied by other lanes are visible
+    read_tile<C, D>(regs, ring + (k % Stg::kStages) * Stg::kStageBytes, lane);
     const bool interior = tile_start(k) >= w.lo && tile_start(k) + kTileTokens <= w.hi;
     attend_tile<C, D>(regs, q_frag, st, tile_start(k), interior, lo, hi, multiplier, soft_cap, lane);
+    __syncwarp();  // every lane has read the slot before it is refilled
   }
   copy_async_wait<0>();
   __syncthreads();  // the ring is reused below for the warp merge
@@ -520,12 +509,17 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kerne
 }
 
 // Merges the splits of each (query row, head) with log-sum-exp weights in fp32. One CTA per row:
-// thread s weighs split s (num_splits <= kMaxSplits), then each thread sums two dims over splits.
-
+// thread s weighs split s (num_splits <= kMaxSplits); then each group of D/4 threads sums a share of
+// the splits as float4 vectors (independent loads, all in flight at once), and the groups' sums are
+// added through shared memory.
 template <int D>
 __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const PagedAttentionParams p, SplitWorkspace ws) {
+  constexpr int kVectors = D / 4;
+  constexpr int kGroups = kMergeThreads / kVectors;
   __shared__ float weights[kMaxSplits];
   __shared__ float partial[2][kMergeThreads / 32];
+  __shared__ float group_sums[kGroups][D];
+  wait_for_previous_grid();
   const int64_t row = blockIdx.x;  // query_row * num_heads + head
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int s = threadIdx.x;
@@ -551,17 +545,27 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Paged
   for (int x = 0; x < kMergeThreads / 32; ++x) sum += partial[1][x];
   const float norm = sum > 0.f ? 1.f / sum : 0.f;
 
+  const int group = threadIdx.x / kVectors, vector = threadIdx.x % kVectors;
+  if (group < kGroups) {
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+    for (int x = group; x < ws.num_splits; x += kGroups) {
+      const float w = weights[x];
+      if (w == 0.f) continue;  // an empty split's acc is never written
+      const float4 a = reinterpret_cast<const float4*>(ws.acc + (x * ws.rows + row) * D)[vector];
+      o.x += w * a.x, o.y += w * a.y, o.z += w * a.z, o.w += w * a.w;
+    }
+    group_sums[group][4 * vector] = o.x, group_sums[group][4 * vector + 1] = o.y;
+    group_sums[group][4 * vector + 2] = o.z, group_sums[group][4 * vector + 3] = o.w;
+  }
+  __syncthreads();
+
   const int64_t query_row = row / p.num_heads;
   const int head = static_cast<int>(row % p.num_heads);
   for (int d = 2 * threadIdx.x; d < D; d += 2 * kMergeThreads) {
     float o0 = 0.f, o1 = 0.f;
-#pragma unroll 4
-    for (int x = 0; x < ws.num_splits; ++x) {
-      if (weights[x] == 0.f) continue;  // an empty split's acc is not read
-      const float2 a = *reinterpret_cast<const float2*>(ws.acc + (x * ws.rows + row) * D + d);
-      o0 += weights[x] * a.x;
-      o1 += weights[x] * a.y;
-    }
+#pragma unroll
+    for (int x = 0; x < kGroups; ++x) o0 += group_sums[x][d], o1 += group_sums[x][d + 1];
     auto* out = static_cast<uint8_t*>(p.out) +
                 (query_row * p.out_token_stride + static_cast<int64_t>(head) * p.out_head_stride + d) * 2;
     store_pair_from_float2(out, o0 * norm, o1 * norm, p.query_dtype == DType::kBFloat16);
@@ -575,10 +579,24 @@ cudaError_t launch_head(const PagedAttentionParams& p, const AttentionPlan& plan
                   static_cast<unsigned>(p.num_kv_heads));
   const int smem_bytes = Staging<C, D>::kPagesOffset + pages_bytes(plan, p.block_size);
   paged_attention_kernel<C, D><<<grid, kThreads, smem_bytes, stream>>>(p, ws, plan.split_tokens);
-  if (plan.num_splits > 1) {
-    merge_splits_kernel<D><<<static_cast<unsigned>(ws.rows), kMergeThreads, 0, stream>>>(p, ws);
+  if (plan.num_splits == 1) return cudaGetLastError();
+  // On sm_90+ the merge is a programmatic dependent launch: its launch overlaps this grid's tail.
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(ws.rows));
+  config.blockDim = dim3(kMergeThreads);
+  config.stream = stream;
+  cudaLaunchAttribute dependent;
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = 1;
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9 &&
+      kDependentMerge) {
+    config.attrs = &dependent;
+    config.numAttrs = 1;
   }
-  return cudaGetLastError();
+  const cudaError_t status = cudaGetLastError();
+  return status != cudaSuccess ? status : cudaLaunchKernelEx(&config, merge_splits_kernel<D>, p, ws);
 }
 
 template <CacheKind C, int D>
