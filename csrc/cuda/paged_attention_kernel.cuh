@@ -345,7 +345,7 @@ __device__ __forceinline__ void plan_cta(const PagedAttentionParams& p, int chun
   w.block_shift = __ffs(p.block_size) - 1;
   w.lo = max(lo_all, split * split_tokens);
   w.hi = min(seq_len, (split + 1) * split_tokens);
-  w.first_page = w.lo >> w.block_shift;
+  w.first_page = (split * split_tokens) >> w.block_shift;  // the split's first page, known without seq_len
 }
 
 template <CacheKind C, int D>
@@ -406,12 +406,16 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kerne
 
   using Stg = Staging<C, D>;
   extern __shared__ __align__(16) uint8_t smem[];
-  // The CTA's slice of its block-table row, read once: the loop then finds pages in shared memory.
+  // The split's slice of its block-table row, read once: the loop then finds pages in shared memory.
+  // The slice's bounds do not depend on seq_len, so these loads overlap its load (one round trip
+  // before the first tile instead of two); entries past seq_len are read but never used.
   int32_t* pages = reinterpret_cast<int32_t*>(smem + Stg::kPagesOffset);
-  if (w.hi > w.lo) {
+  {
     const int32_t* table_row = p.block_tables + seq * p.block_table_stride;
-    const int num_pages = ((w.hi - 1) >> w.block_shift) - w.first_page + 1;
-    for (int i = threadIdx.x; i < num_pages; i += kThreads) pages[i] = __ldg(table_row + w.first_page + i);
+    const int64_t split_end = static_cast<int64_t>(split + 1) * split_tokens;
+    const int end_page = static_cast<int>(std::min<int64_t>(p.max_blocks_per_seq, (split_end + p.block_size - 1) >> w.block_shift));
+#pragma unroll 4
+    for (int i = threadIdx.x; i < end_page - w.first_page; i += kThreads) pages[i] = __ldg(table_row + w.first_page + i);
   }
   __syncthreads();
   const RowSource source = make_row_source<C>(p, w.kv_head, lane);
@@ -523,9 +527,11 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Paged
   const int64_t row = blockIdx.x;  // query_row * num_heads + head
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int s = threadIdx.x;
-  const bool has_split = s < ws.num_splits && ws.row_sum[s * ws.rows + row] > 0.f;  // 0: no keys
-  const float split_max = has_split ? ws.row_max[s * ws.rows + row] : -INFINITY;
-  float max_all = split_max;
+  // Every split writes its row's max and sum (sum 0: no keys), so both load at once.
+  const float split_sum = s < ws.num_splits ? ws.row_sum[s * ws.rows + row] : 0.f;
+  const float split_max = s < ws.num_splits ? ws.row_max[s * ws.rows + row] : -INFINITY;
+  const bool has_split = split_sum > 0.f;
+  float max_all = has_split ? split_max : -INFINITY;
 #pragma unroll
   for (int mask = 16; mask > 0; mask >>= 1) max_all = fmaxf(max_all, __shfl_xor_sync(0xffffffffu, max_all, mask));
   if (lane == 0) partial[0][warp] = max_all;
@@ -534,7 +540,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Paged
 #pragma unroll
   for (int x = 1; x < kMergeThreads / 32; ++x) max_all = fmaxf(max_all, partial[0][x]);
   const float weight = has_split ? fast_exp2(split_max - max_all) : 0.f;
-  float sum = has_split ? weight * ws.row_sum[s * ws.rows + row] : 0.f;
+  float sum = weight * split_sum;
 #pragma unroll
   for (int mask = 16; mask > 0; mask >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
   if (lane == 0) partial[1][warp] = sum;
@@ -550,10 +556,11 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const Paged
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 8
     for (int x = group; x < ws.num_splits; x += kGroups) {
-      const float w = weights[x];
-      if (w == 0.f) continue;  // an empty split's acc is never written
+      // Loaded unconditionally so the loads of several splits are in flight together; an empty
+      // split's acc was never written (weight 0): selected away, never multiplied.
       const float4 a = reinterpret_cast<const float4*>(ws.acc + (x * ws.rows + row) * D)[vector];
-      o.x += w * a.x, o.y += w * a.y, o.z += w * a.z, o.w += w * a.w;
+      const float w = weights[x];
+      if (w != 0.f) o.x += w * a.x, o.y += w * a.y, o.z += w * a.z, o.w += w * a.w;
     }
     group_sums[group][4 * vector] = o.x, group_sums[group][4 * vector + 1] = o.y;
     group_sums[group][4 * vector + 2] = o.z, group_sums[group][4 * vector + 3] = o.w;
