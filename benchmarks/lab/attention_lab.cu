@@ -4,9 +4,13 @@
 #include <cstdlib>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "../../csrc/cuda/launchers.h"
+#ifdef FP8KV_LAB_TRACE  // built by trace_lab.py
+namespace fp8kv::cuda::attention { void fp8kv_set_trace(void*); }
+#endif
 
 #define CHECK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d\n", cudaGetErrorString(e), __LINE__); exit(1);} } while (0)
 
@@ -86,6 +90,29 @@ int main(int argc, char** argv) {
     std::sort(times.begin(), times.end());
     const float us = times[times.size() / 2];
     printf(" | %6.1fus %4.2f", us, 2.0 * cache_bytes / us / 1e6);
+#ifdef FP8KV_LAB_TRACE
+    {  // one more run with the trace buffer set: phase durations per CTA from %globaltimer stamps
+      unsigned long long* tr; const size_t n = 6 * 65536 + 2 * 65536;
+      CHECK(cudaMalloc(&tr, n * 8)); CHECK(cudaMemset(tr, 0, n * 8));
+      fp8kv::cuda::attention::fp8kv_set_trace(tr);
+      read_flush<<<528, 256>>>((const uint4*)flush, flush_bytes / 16, (uint32_t*)d_scale + 1);
+      cudaEventRecord(a); CHECK(fp8kv::cuda::launch_paged_attention(p, plan, ws, 0)); cudaEventRecord(b); CHECK(cudaEventSynchronize(b));
+      float ms; cudaEventElapsedTime(&ms, a, b);
+      fp8kv::cuda::attention::fp8kv_set_trace(nullptr);
+      std::vector<unsigned long long> h(n); CHECK(cudaMemcpy(h.data(), tr, n * 8, cudaMemcpyDeviceToHost)); cudaFree(tr);
+      const int ctas = plan.row_chunks * plan.num_splits * s.Hk;
+      unsigned long long origin = ~0ull; for (int c = 0; c < ctas; ++c) origin = std::min(origin, h[c * 6]);
+      auto pct = [&](int from, int to) { std::vector<double> v; for (int c = 0; c < ctas; ++c) v.push_back((double)(h[c * 6 + to] - (from < 0 ? origin : h[c * 6 + from])) / 1e3);
+        std::sort(v.begin(), v.end()); char buf[96]; snprintf(buf, sizeof buf, "%5.1f/%5.1f/%5.1f", v[0], v[v.size() / 2], v.back()); return std::string(buf); };
+      fprintf(stderr, "\nB%d L%d H%d/%d splits %d ctas %d event %.1f us | min/med/max us: start %s prologue %s first-tile %s loop %s epilogue %s end %s",
+              s.B, s.L, s.H, s.Hk, plan.num_splits, ctas, ms * 1e3, pct(-1, 0).c_str(), pct(0, 1).c_str(), pct(1, 2).c_str(), pct(2, 3).c_str(), pct(3, 4).c_str(), pct(-1, 4).c_str());
+      if (plan.num_splits > 1) {
+        double m0 = 1e30, m0max = 0, m1 = 0;
+        for (int r = 0; r < ws.rows; ++r) { m0 = std::min(m0, (double)(h[6 * 65536 + 2 * r] - origin)); m0max = std::max(m0max, (double)(h[6 * 65536 + 2 * r] - origin)); m1 = std::max(m1, (double)(h[6 * 65536 + 2 * r + 1] - origin)); }
+        fprintf(stderr, " | merge start %.1f..%.1f end %.1f us", m0 / 1e3, m0max / 1e3, m1 / 1e3);
+      }
+    }
+#endif
     if (getenv("LAB_HASH")) {  // FNV-1a of the output bytes: staging variants must agree bit for bit
       std::vector<uint8_t> host((size_t)s.B * s.H * s.D * 2);
       CHECK(cudaMemcpy(host.data(), out, host.size(), cudaMemcpyDeviceToHost));

@@ -11,6 +11,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kTokensPerCta = 64;
+constexpr int kLoadsInFlight = 4;
 
 template <typename T>
 __device__ __forceinline__ float to_float(T x) {
@@ -30,19 +31,32 @@ __global__ void __launch_bounds__(kThreads) kv_amax_kernel(const AmaxParams p) {
   const int64_t first_token = static_cast<int64_t>(blockIdx.x) * kTokensPerCta;
   const int64_t tokens = min(static_cast<int64_t>(kTokensPerCta), p.num_tokens - first_token);
 
+  // Each thread issues kLoadsInFlight vector loads before reducing any, so a CTA's whole chunk is
+  // in flight at once (one memory round trip per CTA for 16-bit head size 128).
   int amax_bits = 0;  // bits of +0.0
-  for (int64_t i = threadIdx.x; i < tokens * chunks_per_row; i += kThreads) {
-    const int64_t token = first_token + i / chunks_per_row;
-    const Src* src = base + token * token_stride + head * head_stride + (i % chunks_per_row) * kVec;
-    Src values[kVec];
-    if constexpr (sizeof(Src) * kVec == 16) {
-      *reinterpret_cast<uint4*>(values) = __ldg(reinterpret_cast<const uint4*>(src));
-    } else {
+  const int64_t vectors = tokens * chunks_per_row;
+  for (int64_t first = threadIdx.x; first < vectors; first += kThreads * kLoadsInFlight) {
+    Src values[kLoadsInFlight][kVec];
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) values[e] = src[e];
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+      const int64_t i = first + u * kThreads;
+      const int64_t token = first_token + i / chunks_per_row;
+      const Src* src = base + token * token_stride + head * head_stride + (i % chunks_per_row) * kVec;
+      if (i >= vectors) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) values[u][e] = Src(0.f);
+      } else if constexpr (sizeof(Src) * kVec == 16) {
+        *reinterpret_cast<uint4*>(values[u]) = __ldg(reinterpret_cast<const uint4*>(src));
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) values[u][e] = src[e];
+      }
     }
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) amax_bits = max(amax_bits, __float_as_int(fabsf(to_float(values[e]))));
+    for (int u = 0; u < kLoadsInFlight; ++u) {
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) amax_bits = max(amax_bits, __float_as_int(fabsf(to_float(values[u][e]))));
+    }
   }
 #pragma unroll
   for (int mask = 16; mask > 0; mask >>= 1) amax_bits = max(amax_bits, __shfl_xor_sync(0xffffffffu, amax_bits, mask));
