@@ -77,7 +77,7 @@ struct CtaWork {
   int kv_head;
   int lo, hi;              // cache positions this CTA reads: [lo, hi)
   int block_shift;         // log2(block_size)
-  int first_page;          // block-table index of position lo
+  int first_page;          // block-table index of the split's first position (start of the staged slice)
 };
 
 // Shared-memory wavefronts of one warp-wide load where lane l reads `width` bytes at byte
@@ -105,17 +105,21 @@ constexpr int load_wavefronts(Address address, int width) {
   return total;
 }
 
-// Smallest row pitch (row_bytes padded by 0-112 bytes) with the fewest wavefronts for the fragment
-// loads: lane (g, t) = (lane / 4, lane % 4) reads row row_step * (is_key ? g : t) at byte
-// vec * (is_key ? t : g) of the row.
+// Wavefronts of read_tile's fragment loads of `vec` bytes at a row pitch: lane (g, t) =
+// (lane / 4, lane % 4) reads K row g at byte t * vec, or V row 2t at byte g * vec (other rows and
+// vectors are constant shifts of these). One warp-wide load of `vec` bytes needs max(1, vec / 4).
+constexpr int fragment_wavefronts(int pitch, int vec, bool is_key) {
+  return load_wavefronts(
+      [=](int lane) { return is_key ? (lane / 4) * pitch + (lane % 4) * vec : 2 * (lane % 4) * pitch + (lane / 4) * vec; },
+      vec);
+}
+
+// Smallest row pitch (row_bytes padded by 0-112 bytes) with the fewest wavefronts.
 constexpr int conflict_free_pitch(int row_bytes, int vec, bool is_key) {
   int best = row_bytes, best_wavefronts = 1 << 30;
   for (int pad = 0; pad < 128; pad += 16) {
-    const int pitch = row_bytes + pad;
-    const int wavefronts = load_wavefronts(
-        [=](int lane) { return is_key ? (lane / 4) * pitch + (lane % 4) * vec : 2 * (lane % 4) * pitch + (lane / 4) * vec; },
-        vec);
-    if (wavefronts < best_wavefronts) best = pitch, best_wavefronts = wavefronts;
+    const int wavefronts = fragment_wavefronts(row_bytes + pad, vec, is_key);
+    if (wavefronts < best_wavefronts) best = row_bytes + pad, best_wavefronts = wavefronts;
   }
   return best;
 }
@@ -128,6 +132,9 @@ struct Staging {
   static constexpr int kRowBytes = D * L::kElemBytes;  // a multiple of 16 for every head size
   static constexpr int kKeyPitch = conflict_free_pitch(kRowBytes, L::kKVecBytes, true);
   static constexpr int kValuePitch = conflict_free_pitch(kRowBytes, L::kVVecBytes, false);
+  static_assert(fragment_wavefronts(kKeyPitch, L::kKVecBytes, true) == std::max(1, L::kKVecBytes / 4) &&
+                    fragment_wavefronts(kValuePitch, L::kVVecBytes, false) == std::max(1, L::kVVecBytes / 4),
+                "fragment loads with bank conflicts");
   static constexpr int kValueOffset = kTileTokens * kKeyPitch;
   static constexpr int kStageBytes = kValueOffset + kTileTokens * kValuePitch;
   static constexpr int kRingBudget = 96 * 1024;  // per CTA
