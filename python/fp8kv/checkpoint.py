@@ -4,7 +4,7 @@ Two layers: `read_checkpoint_scales` gathers everything the checkpoint says abou
 (tensors, config hints, the legacy JSON file) and every problem with it, without raising for bad
 content; `load_kv_cache_config` turns that into the `KVCacheConfig` of one tensor-parallel rank
 and cache format, raising `CheckpointError` on any problem. `python -m fp8kv inspect` prints the
-former.
+former. `checkpoint_tensor_names` lists every tensor of a checkpoint and the file holding it.
 
 Checkpoint forms (attention module P, e.g. `model.layers.7.self_attn`):
 - `P.k_scale`, `P.v_scale` (vLLM, llm-compressor, TGI): shape [], [1], [num_kv_heads] or
@@ -14,6 +14,11 @@ Checkpoint forms (attention module P, e.g. `model.layers.7.self_attn`):
   `kv_cache_quant_algo` (ModelOpt, also in hf_quant_config.json), `kv_cache_torch_dtype` (the
   format the scales were calibrated for: float8_e4m3fn, the default, or float8_e4m3fnuz);
 - `kv_cache_scales.json`: {"model_type", "kv_cache": {"dtype", "scaling_factor": {rank: {layer: s}}}}.
+
+Checkpoints come from untrusted sources, so reading is bounded: regular files only (a FIFO or
+device is an error, not a hang), JSON files and safetensors headers up to MAX_JSON_BYTES, shard
+paths of the index inside the directory, and work proportional to the entries the files hold,
+never to a count a file declares.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import math
 import os
 import pathlib
 import re
+import reprlib
+import stat
 import warnings
 from dataclasses import dataclass, field
 
@@ -35,6 +42,11 @@ INDEX_FILE = "model.safetensors.index.json"
 MODELOPT_FILE = "hf_quant_config.json"
 LEGACY_JSON_FILE = "kv_cache_scales.json"
 
+# Limits far above any real checkpoint (JSON files of a few MiB, a few hundred layers) that keep
+# a hostile one from exhausting memory or time.
+MAX_JSON_BYTES = 64 << 20  # a JSON file, or the JSON header of a safetensors file
+MAX_NUM_LAYERS = 1 << 14  # a KVCacheConfig holds one entry per layer
+
 # Scale tensor name suffixes, most specific first: (suffix, which cache tensors it scales, form).
 _SCALE_SUFFIXES = (
     (".k_proj.k_scale", "k", "ModelOpt k_proj.k_scale"),
@@ -44,6 +56,7 @@ _SCALE_SUFFIXES = (
     (".v_scale", "v", "v_scale"),
 )
 _CALIBRATION_FORMATS = {"float8_e4m3fn": KVCacheDtype.E4M3FN, "float8_e4m3fnuz": KVCacheDtype.E4M3FNUZ}
+_STRATEGY_GRANULARITY = {"tensor": "tensor", "attn_head": "head"}
 
 
 @dataclass(frozen=True)
@@ -108,10 +121,16 @@ class CheckpointScales:
 
 @dataclass
 class _Reader:
-    """Accumulates problems while reading; each check records and moves on where it can."""
+    """Accumulates problems while reading; each check records and moves on where it can.
+
+    Every file is read through here: regular files only (symlinks followed), never more than
+    MAX_JSON_BYTES of JSON, so no checkpoint can make the loader block or read without end.
+    """
 
     directory: pathlib.Path
     problems: list[Problem] = field(default_factory=list)
+    # safetensors file -> its tensor names (a dict for ordered, constant-time lookup); None: unreadable.
+    _names: dict[pathlib.Path, dict[str, None] | None] = field(default_factory=dict)
 
     def problem(self, file, tensor, message) -> None:
         self.problems.append(Problem(str(file), tensor, message))
@@ -120,18 +139,113 @@ class _Reader:
         self.problem(file, tensor, message)
         return _Fatal()
 
-    def json_object(self, path: pathlib.Path) -> dict:
+    def read(self, path: pathlib.Path, offset: int, count: int) -> tuple[bytes, int]:
+        """Up to `count` bytes of regular file `path` from `offset`, and the file's size."""
+        why = _not_regular(path)
+        if why:
+            raise self.fatal(path, None, why)
         try:
-            text = path.read_text()
+            # O_NONBLOCK: a file replaced by a FIFO after the check above must not block the open.
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                f.seek(offset)
+                return f.read(count) or b"", os.fstat(f.fileno()).st_size
         except OSError as e:
             raise self.fatal(path, None, f"cannot read: {e.strerror or e}") from None
+
+    def json_object(self, path: pathlib.Path) -> dict:
+        raw, _ = self.read(path, 0, MAX_JSON_BYTES + 1)
+        if len(raw) > MAX_JSON_BYTES:
+            raise self.fatal(path, None, f"larger than {_mib(MAX_JSON_BYTES)} (MAX_JSON_BYTES): not a checkpoint file")
+        return self.parse_json_object(path, raw)
+
+    def parse_json_object(self, path: pathlib.Path, raw: bytes) -> dict:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
+            data = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        except UnicodeDecodeError as e:
+            raise self.fatal(path, None, f"not valid UTF-8 ({e.reason} at byte {e.start})") from None
+        except _DuplicateKey as e:
+            raise self.fatal(path, None, f"duplicate key {_show(e.key)} in a JSON object") from None
+        except RecursionError:
+            raise self.fatal(path, None, "invalid JSON: nested too deeply") from None
+        except ValueError as e:  # JSONDecodeError, or an integer with too many digits to convert
             raise self.fatal(path, None, f"invalid JSON: {e}") from None
         if not isinstance(data, dict):
             raise self.fatal(path, None, f"must hold a JSON object, got {type(data).__name__}")
         return data
+
+    def tensor_names(self, path: pathlib.Path) -> dict[str, None] | None:
+        """The tensor names in the header of safetensors file `path` (read once); None if unreadable."""
+        if path not in self._names:
+            try:
+                self._names[path] = dict.fromkeys(n for n in self._safetensors_header(path) if n != "__metadata__")
+            except _Fatal:
+                self._names[path] = None
+        return self._names[path]
+
+    def _safetensors_header(self, path: pathlib.Path) -> dict:
+        # Layout: an 8-byte little-endian header length, the JSON header, then the tensor data.
+        length_bytes, size = self.read(path, 0, 8)
+        if len(length_bytes) < 8:
+            raise self.fatal(path, None, f"cannot read safetensors file: {size} bytes, shorter than the header length")
+        length = int.from_bytes(length_bytes, "little")
+        if length > size - 8:
+            raise self.fatal(path, None, f"cannot read safetensors file: header length {length} exceeds the file "
+                             f"({size} bytes)")
+        if length > MAX_JSON_BYTES:
+            raise self.fatal(path, None, f"cannot read safetensors file: header length {length} exceeds "
+                             f"{_mib(MAX_JSON_BYTES)} (MAX_JSON_BYTES)")
+        return self.parse_json_object(path, self.read(path, 8, length)[0])
+
+
+def _not_regular(path: pathlib.Path) -> str | None:
+    """Why `path` cannot be read as a regular file (after symlinks), or None when it can."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except (OSError, ValueError) as e:  # ValueError: a NUL byte in the path
+        return f"cannot be read: {getattr(e, 'strerror', None) or e}"
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((name for is_kind, name in _FILE_KINDS if is_kind(mode)), "a special file")
+    return f"is {kind}, expected a regular file"
+
+
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json object_pairs_hook: a dict, refusing repeated keys (json.loads would keep the last)."""
+    result = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
+
+
+def _show(value) -> str:
+    """repr of a value read from a user's file, shortened (one field can hold megabytes)."""
+    return _SHORT.repr(value)
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:g} MiB"
+
+
+def _lookup(table: dict, value):
+    """table[value] for a string naming an entry; None otherwise (a JSON list or object included)."""
+    return table.get(value) if isinstance(value, str) else None
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -150,14 +264,16 @@ def _model_geometry(reader: _Reader, config: dict, num_layers: int | None, num_k
         return None, None
 
     result = []
-    for label, given, names in (
-        ("num_layers", num_layers, ("num_hidden_layers",)),
-        ("num_kv_heads", num_kv_heads, ("num_key_value_heads", "num_attention_heads")),
+    for label, given, names, limit in (
+        ("num_layers", num_layers, ("num_hidden_layers",), MAX_NUM_LAYERS),
+        ("num_kv_heads", num_kv_heads, ("num_key_value_heads", "num_attention_heads"), None),
     ):
         name, value = field_value(*names)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            reader.problem(path, name, f"must be a positive integer, got {value!r}")
+        if value is not None and not (_is_int(value) and value > 0):
+            reader.problem(path, name, f"must be a positive integer, got {_show(value)}")
             value = None
+        if value is not None and limit is not None and value > limit:
+            raise reader.fatal(path, name, f"is {_show(value)}, above the limit of {limit} (MAX_NUM_LAYERS)")
         if value is not None and given is not None and value != given:
             reader.problem(path, name, f"is {value} but {label}={given} was given")
         if value is None and given is None:
@@ -183,25 +299,25 @@ def _quantization_hints(reader: _Reader, config: dict) -> tuple[list[str], bool,
             reader.problem(path, where, f"must be an object or null, got {type(scheme).__name__}")
         else:
             strategy = scheme.get("strategy", "tensor")
+            granularity = _lookup(_STRATEGY_GRANULARITY, strategy)
             checks = (
-                (scheme.get("type") == "float", f"type must be 'float' (FP8), got {scheme.get('type')!r}"),
-                (scheme.get("num_bits") == 8, f"num_bits must be 8, got {scheme.get('num_bits')!r}"),
-                (strategy in ("tensor", "attn_head"), f"strategy must be 'tensor' or 'attn_head', got {strategy!r}"),
+                (scheme.get("type") == "float", f"type must be 'float' (FP8), got {_show(scheme.get('type'))}"),
+                (scheme.get("num_bits") == 8, f"num_bits must be 8, got {_show(scheme.get('num_bits'))}"),
+                (granularity is not None, f"strategy must be 'tensor' or 'attn_head', got {_show(strategy)}"),
                 (not scheme.get("dynamic", False), "dynamic=true (scales computed at run time) is not supported"),
                 (scheme.get("symmetric", True) is True, "symmetric must be true: FP8 scales have no zero point"),
             )
             for ok, message in checks:
                 if not ok:
                     reader.problem(path, where, message)
-            declared.append(f"compressed-tensors kv_cache_scheme (strategy {strategy})")
+            declared.append(f"compressed-tensors kv_cache_scheme (strategy {strategy if granularity else _show(strategy)})")
             required = True
-            granularity = {"tensor": "tensor", "attn_head": "head"}.get(strategy)
 
     for file, algo_owner, algo in _modelopt_algos(reader, quant):
         if algo is None:
             continue
         if algo != "FP8":
-            reader.problem(file, f"{algo_owner}.kv_cache_quant_algo", f"only 'FP8' is supported, got {algo!r}")
+            reader.problem(file, f"{algo_owner}.kv_cache_quant_algo", f"only 'FP8' is supported, got {_show(algo)}")
             continue
         declared.append(f"ModelOpt kv_cache_quant_algo FP8 ({pathlib.Path(file).name})")
         required = True
@@ -211,10 +327,11 @@ def _quantization_hints(reader: _Reader, config: dict) -> tuple[list[str], bool,
         if hint is None:
             continue
         name = f"{owner}.kv_cache_torch_dtype" if owner else "kv_cache_torch_dtype"
-        if hint not in _CALIBRATION_FORMATS:
-            reader.problem(path, name, f"must be one of {sorted(_CALIBRATION_FORMATS)}, got {hint!r}")
+        calibrated_for = _lookup(_CALIBRATION_FORMATS, hint)
+        if calibrated_for is None:
+            reader.problem(path, name, f"must be one of {sorted(_CALIBRATION_FORMATS)}, got {_show(hint)}")
         else:
-            dtype_hints.append((str(path), name, _CALIBRATION_FORMATS[hint]))
+            dtype_hints.append((str(path), name, calibrated_for))
     return declared, required, granularity, dtype_hints
 
 
@@ -222,7 +339,7 @@ def _modelopt_algos(reader: _Reader, quant: dict):
     """(file, owner, kv_cache_quant_algo) from config.json and hf_quant_config.json."""
     yield str(reader.directory / CONFIG_FILE), "quantization_config", quant.get("kv_cache_quant_algo")
     modelopt = reader.directory / MODELOPT_FILE
-    if modelopt.exists():
+    if os.path.lexists(modelopt):
         try:
             section = reader.json_object(modelopt).get("quantization") or {}
         except _Fatal:
@@ -236,24 +353,21 @@ def _modelopt_algos(reader: _Reader, quant: dict):
 # ----------------------------------------------------------------------------- safetensors
 
 
-def _safetensors_files(reader: _Reader) -> dict[str, pathlib.Path]:
-    """Scale tensor name -> the file that holds it (index-driven when there is an index)."""
+def checkpoint_tensor_names(directory: str | os.PathLike) -> dict[str, pathlib.Path]:
+    """Every tensor name of checkpoint `directory` -> the safetensors file that holds it.
+
+    From model.safetensors.index.json when there is one (its shard files must be regular files
+    inside the directory), else from the headers of the directory's *.safetensors files. Reads
+    only regular files, each JSON part at most MAX_JSON_BYTES. Raises CheckpointError naming the
+    file (and tensor) of every problem.
+    """
+    return _checked(_Reader(pathlib.Path(directory)), _locate_tensors)
+
+
+def _locate_tensors(reader: _Reader) -> dict[str, pathlib.Path]:
     index_path = reader.directory / INDEX_FILE
-    if index_path.exists():
-        index = reader.json_object(index_path)
-        weight_map = index.get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise reader.fatal(index_path, "weight_map", "missing or not an object")
-        located = {}
-        for name, shard in weight_map.items():
-            if _scale_suffix(name) is None:
-                continue
-            shard_path = reader.directory / str(shard)
-            if not shard_path.is_file():
-                reader.problem(index_path, name, f"maps to shard {shard!r}, which does not exist")
-                continue
-            located[name] = shard_path
-        return located
+    if os.path.lexists(index_path):
+        return _indexed_tensors(reader, index_path)
     files = sorted(reader.directory.glob("*.safetensors"))
     if not files:
         pickled = sorted(p.name for p in reader.directory.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
@@ -262,9 +376,7 @@ def _safetensors_files(reader: _Reader) -> dict[str, pathlib.Path]:
                            "fp8kv reads KV cache scales from safetensors files only")
     located = {}
     for path in files:
-        for name in _tensor_names(reader, path):
-            if _scale_suffix(name) is None:
-                continue
+        for name in reader.tensor_names(path) or ():
             if name in located:
                 reader.problem(path, name, f"also stored in {located[name].name}; conflicting copies")
                 continue
@@ -272,29 +384,74 @@ def _safetensors_files(reader: _Reader) -> dict[str, pathlib.Path]:
     return located
 
 
-def _tensor_names(reader: _Reader, path: pathlib.Path) -> list[str]:
-    from safetensors import safe_open
+def _indexed_tensors(reader: _Reader, index_path: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The index's weight_map with each shard checked once (entries naming a bad shard are left out)."""
+    weight_map = reader.json_object(index_path).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise reader.fatal(index_path, "weight_map", "missing or not an object")
+    shards: dict[str, pathlib.Path | None] = {}
+    located = {}
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            reader.problem(index_path, name, f"maps to {_show(shard)}; expected a shard file name")
+            continue
+        if shard not in shards:
+            shards[shard] = _shard_path(reader, index_path, name, shard)
+        if shards[shard] is not None:
+            located[name] = shards[shard]
+    return located
 
+
+def _shard_path(reader: _Reader, index_path: pathlib.Path, name: str, shard: str) -> pathlib.Path | None:
+    """The file an index entry names, if it is a regular file inside the checkpoint directory.
+
+    The folder holding it must resolve inside the directory; the file itself may be a symlink to
+    anywhere (the Hugging Face cache links every file of a snapshot to a blob outside it).
+    """
+    path = reader.directory / shard
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return list(f.keys())
-    except Exception as e:  # safetensors raises several exception types for unreadable files
-        reader.problem(path, None, f"cannot read safetensors file: {e}")
-        return []
-
-
-def _read_tensor(reader: _Reader, path: pathlib.Path, name: str) -> torch.Tensor | None:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            if name not in f.keys():
-                reader.problem(path, name, "listed in the index but not stored in this shard")
-                return None
-            return f.get_tensor(name)
-    except Exception as e:
-        reader.problem(path, name, f"cannot read tensor: {e}")
+        inside = path.parent.resolve().is_relative_to(reader.directory.resolve())
+    except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte
+        inside = False
+    why = _not_regular(path) if inside else "lies outside the checkpoint directory"
+    if why:
+        reader.problem(index_path, name, f"maps to shard {_show(shard)}, which {why}")
         return None
+    return path
+
+
+def _scale_tensor_files(reader: _Reader) -> dict[str, pathlib.Path]:
+    """Scale tensor name -> the file that holds it."""
+    located = _locate_tensors(reader)
+    if os.path.lexists(reader.directory / INDEX_FILE):
+        # A scales shard the index does not list is one that no loader reads: refuse rather than
+        # fall back to unit scales.
+        listed = {os.path.normpath(p) for p in located.values()}
+        for path in sorted(reader.directory.glob("*.safetensors")):
+            if os.path.normpath(path) not in listed and any(map(_scale_suffix, reader.tensor_names(path) or ())):
+                reader.problem(path, None, f"holds KV cache scale tensors but {INDEX_FILE} does not list this file")
+    return {name: path for name, path in located.items() if _scale_suffix(name) is not None}
+
+
+def _read_scale_tensor(reader: _Reader, path: pathlib.Path, name: str, num_kv_heads: int) -> torch.Tensor | None:
+    """Tensor `name` of `path`, read only if its shape is one a scale can have; None (and a problem) otherwise."""
+    from safetensors import safe_open
+
+    names = reader.tensor_names(path)
+    if names is None:
+        return None  # the file's problem is already recorded
+    if name not in names:
+        reader.problem(path, name, "listed in the index but not stored in this shard")
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            error = _shape_error(f.get_slice(name).get_shape(), num_kv_heads)
+            if error is None:
+                return f.get_tensor(name)
+    except Exception as e:  # safetensors raises its own error type for inconsistent headers and data
+        error = f"cannot read tensor: {e}"
+    reader.problem(path, name, error)
+    return None
 
 
 def _scale_suffix(name: str):
@@ -308,11 +465,9 @@ def scale_values(tensor: torch.Tensor, num_kv_heads: int) -> tuple[tuple[float, 
     """A checkpoint scale tensor as float32 values ([1] or [num_kv_heads]), or (None, what is wrong)."""
     if not torch.is_floating_point(tensor):
         return None, f"dtype must be floating point, got {tensor.dtype}"
-    shape = list(tensor.shape)
-    if shape not in ([], [1], [num_kv_heads], [num_kv_heads, 1, 1]):
-        return None, (
-            f"shape {shape} is none of [], [1], [num_kv_heads] = [{num_kv_heads}], [{num_kv_heads}, 1, 1]"
-        )
+    error = _shape_error(list(tensor.shape), num_kv_heads)
+    if error:
+        return None, error
     values = tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1).tolist()
     for head, s in enumerate(values):
         if not (math.isfinite(s) and s > 0):
@@ -321,7 +476,14 @@ def scale_values(tensor: torch.Tensor, num_kv_heads: int) -> tuple[tuple[float, 
     return tuple(values), None
 
 
-_LAYER_COMPONENT = re.compile(r"(?:^|\.)(\d+)(?=\.|$)")
+def _shape_error(shape: list[int], num_kv_heads: int) -> str | None:
+    if list(shape) in ([], [1], [num_kv_heads], [num_kv_heads, 1, 1]):
+        return None
+    return f"shape {list(shape)} is none of [], [1], [num_kv_heads] = [{num_kv_heads}], [{num_kv_heads}, 1, 1]"
+
+
+# A layer index: a dotted name component of decimal digits (at most 18, so it converts to an int).
+_LAYER_COMPONENT = re.compile(r"(?:^|\.)([0-9]{1,18})(?=\.|$)")
 
 
 def _module_and_layer(name: str, suffix: str) -> tuple[str, int] | None:
@@ -338,7 +500,7 @@ def _tensor_scales(reader: _Reader, num_layers: int, num_kv_heads: int, granular
     candidates: dict[tuple[int, str], list[FoundScale]] = {}
     templates: dict[str, str] = {}
     forms: set[str] = set()
-    for name, path in sorted(_safetensors_files(reader).items()):
+    for name, path in sorted(_scale_tensor_files(reader).items()):
         suffix, kind, form = _scale_suffix(name)
         parsed = _module_and_layer(name, suffix)
         if parsed is None:
@@ -346,7 +508,10 @@ def _tensor_scales(reader: _Reader, num_layers: int, num_kv_heads: int, granular
             continue
         template, layer = parsed
         templates.setdefault(template, name)
-        tensor = _read_tensor(reader, path, name)
+        if layer >= num_layers:
+            reader.problem(path, name, f"layer {layer} is outside the model's {num_layers} layers ({CONFIG_FILE})")
+            continue
+        tensor = _read_scale_tensor(reader, path, name, num_kv_heads)
         values, error = scale_values(tensor, num_kv_heads) if tensor is not None else ((), None)
         if error:
             reader.problem(path, name, error)
@@ -355,9 +520,6 @@ def _tensor_scales(reader: _Reader, num_layers: int, num_kv_heads: int, granular
             reader.problem(path, name, "kv_cache_scheme strategy 'tensor' needs one scale, got per-head scales")
         if values and granularity == "head" and len(values) != num_kv_heads:
             reader.problem(path, name, f"kv_cache_scheme strategy 'attn_head' needs {num_kv_heads} scales, got 1")
-        if layer >= num_layers:
-            reader.problem(path, name, f"layer {layer} is outside the model's {num_layers} layers ({CONFIG_FILE})")
-            continue
         forms.add(form)
         found = FoundScale(str(path), name, values)
         for target in ("k", "v") if kind == "kv" else (kind,):
@@ -370,37 +532,47 @@ def _tensor_scales(reader: _Reader, num_layers: int, num_kv_heads: int, granular
 
 
 def _one_scale_per_layer(reader: _Reader, candidates, num_layers: int):
-    """Exactly one K and one V scale per layer, for all layers or none."""
+    """Exactly one K and one V scale per layer, for all layers or none (candidates hold layers < num_layers).
+
+    Walks the layers present, not range(num_layers): the work follows what the files hold.
+    """
     if not candidates:
         return (), ()
     complete = True
     per_kind = {}
     for target in ("k", "v"):
-        scales, missing = [], []
-        for layer in range(num_layers):
-            found = candidates.get((layer, target), [])
+        layers = sorted(layer for layer, kind in candidates if kind == target)
+        for layer in layers:
+            found = candidates[(layer, target)]
             if len(found) > 1:
                 names = " and ".join(f"{f.tensor} ({pathlib.Path(f.file).name})" for f in found)
                 reader.problem(found[0].file, found[0].tensor, f"conflicting {target}_scale sources for layer {layer}: {names}")
                 complete = False
-            if not found:
-                missing.append(layer)
             elif not found[0].values:
                 complete = False
-            else:
-                scales.append(found[0])
-        if missing:
-            same_kind = [found[0] for (_, kind), found in candidates.items() if kind == target]
-            example = same_kind[0] if same_kind else next(iter(candidates.values()))[0]
-            expected = _with_layer(_as_kind(example.tensor, target), missing[0])
+        gaps = _gaps(layers, num_layers)
+        if gaps:
+            example = candidates[(layers[0], target)][0] if layers else next(iter(candidates.values()))[0]
+            expected = _with_layer(_as_kind(example.tensor, target), gaps[0][0])
+            missing = ", ".join(f"{first}" if first == last else f"{first}-{last}" for first, last in gaps)
             reader.problem(
                 example.file, expected,
-                f"missing: no {target}_scale for layer(s) {format_ranges(missing)} of the model's {num_layers}, "
+                f"missing: no {target}_scale for layer(s) {missing} of the model's {num_layers}, "
                 f"while {example.tensor} exists",
             )
             complete = False
-        per_kind[target] = tuple(scales)
+        per_kind[target] = tuple(candidates[(layer, target)][0] for layer in layers)
     return (per_kind["k"], per_kind["v"]) if complete else ((), ())
+
+
+def _gaps(present: list[int], end: int) -> list[tuple[int, int]]:
+    """The (first, last) runs of [0, end) missing from `present` (sorted, distinct, all < end)."""
+    gaps, start = [], 0
+    for layer in (*present, end):
+        if layer > start:
+            gaps.append((start, layer - 1))
+        start = layer + 1
+    return gaps
 
 
 def _as_kind(name: str, target: str) -> str:
@@ -437,14 +609,14 @@ def _legacy_json(reader: _Reader, path: pathlib.Path, num_layers: int, model_typ
     data = reader.json_object(path)
     file_model_type = data.get("model_type")
     if file_model_type is not None and model_type is not None and file_model_type != model_type:
-        reader.problem(path, "model_type", f"is {file_model_type!r} but {CONFIG_FILE} says {model_type!r}")
+        reader.problem(path, "model_type", f"is {_show(file_model_type)} but {CONFIG_FILE} says {model_type!r}")
     kv_cache = data.get("kv_cache")
     if not isinstance(kv_cache, dict):
         raise reader.fatal(path, "kv_cache", "missing or not an object")
     dtype = kv_cache.get("dtype")
-    calibrated_for = _CALIBRATION_FORMATS.get(dtype)
+    calibrated_for = _lookup(_CALIBRATION_FORMATS, dtype)
     if calibrated_for is None:
-        reader.problem(path, "kv_cache.dtype", f"must be one of {sorted(_CALIBRATION_FORMATS)}, got {dtype!r}")
+        reader.problem(path, "kv_cache.dtype", f"must be one of {sorted(_CALIBRATION_FORMATS)}, got {_show(dtype)}")
     factors = kv_cache.get("scaling_factor")
     if not isinstance(factors, dict) or not factors:
         raise reader.fatal(path, "kv_cache.scaling_factor", "missing, empty or not an object of ranks")
@@ -459,31 +631,48 @@ def _legacy_json(reader: _Reader, path: pathlib.Path, num_layers: int, model_typ
             reader.problem(path, where, "must be an object of layer: scale")
             continue
         layers = _int_keyed(reader, path, where, ranks[rank])
-        if sorted(layers) != list(range(num_layers)):
+        if len(layers) != num_layers or max(layers) >= num_layers:  # keys are distinct and >= 0
             reader.problem(path, where, f"must have layers 0..{num_layers - 1} ({CONFIG_FILE}), got {format_ranges(sorted(layers)) if layers else 'none'}")
             continue
         values = []
-        for layer in range(num_layers):
-            s = layers[layer]
-            s32 = float(torch.tensor(s, dtype=torch.float32)) if _is_number(s) else None
+        for layer, s in sorted(layers.items()):
+            s32 = _float32(s) if _is_number(s) else None
             if s32 is None or not (math.isfinite(s32) and s32 > 0):
-                reader.problem(path, f"{where}[{layer}]", f"must be a finite number > 0, got {s!r}")
+                reader.problem(path, f"{where}[{layer}]", f"must be a finite number > 0, got {_show(s)}")
             values.append(s32)
         scales.append(tuple(values))
     return tuple(scales), calibrated_for
 
 
+def _float32(value: float) -> float:
+    """`value` rounded to float32 (inf beyond its range: JSON integers can have hundreds of digits)."""
+    try:
+        return float(torch.tensor(float(value), dtype=torch.float32))
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, float) or _is_int(value)
 
 
 def _int_keyed(reader: _Reader, path, where: str, mapping: dict) -> dict[int, object]:
-    result = {}
+    """`mapping` keyed by the numbers its keys spell; other keys, and two spelling one number, are problems."""
+    result, spelled = {}, {}
     for key, value in mapping.items():
-        try:
-            result[int(key)] = value
-        except (TypeError, ValueError):
-            reader.problem(path, f"{where}[{key!r}]", "key must be an integer")
+        # Decimal digits only (int() would also take ' 1', '+1', '1_0'), few enough to convert.
+        if not (key.isascii() and key.isdigit() and len(key) <= 18):
+            reader.problem(path, f"{where}[{_show(key)}]", "key must be a non-negative integer (at most 18 digits)")
+            continue
+        number = int(key)
+        if number in result:
+            reader.problem(path, f"{where}[{key!r}]", f"repeats key {spelled[number]!r}: both are {number}")
+            continue
+        result[number], spelled[number] = value, key
     return result
 
 
@@ -500,10 +689,12 @@ def read_checkpoint_scales(
     """Everything `checkpoint_dir` says about KV cache scales, and every problem found.
 
     Raises nothing for bad checkpoint content (it lands in `problems`), only for bad arguments.
-    scales_json: a legacy kv_cache_scales.json to read (default: that file in the directory, if any).
+    scales_json: a legacy kv_cache_scales.json to read (default: that file in the directory, if any;
+        both at once is a problem: two sources of scales).
     num_layers, num_kv_heads: needed when config.json lacks num_hidden_layers / num_key_value_heads
         (a value given and a different one in config.json is a problem).
     """
+    _check_geometry_arguments(num_layers, num_kv_heads)
     reader = _Reader(pathlib.Path(checkpoint_dir))
     state = dict(model_type=None, num_layers=num_layers, num_kv_heads=num_kv_heads, calibrated_for=KVCacheDtype.E4M3FN,
                  declared=(), forms=(), k=(), v=(), legacy_json=None, legacy_json_scales=())
@@ -515,22 +706,22 @@ def read_checkpoint_scales(
 
 
 def _read_into(reader: _Reader, state: dict, scales_json) -> None:
-    if not reader.directory.is_dir():
-        raise reader.fatal(reader.directory, None, "is not a checkpoint directory")
+    _require_directory(reader)
     config_path = reader.directory / CONFIG_FILE
-    if not config_path.is_file():
+    if not os.path.lexists(config_path):
         raise reader.fatal(config_path, None, "missing (needed for the layer and head counts)")
     config = reader.json_object(config_path)
     state["model_type"] = config.get("model_type")
+    if state["model_type"] is not None and not isinstance(state["model_type"], str):
+        reader.problem(config_path, "model_type", f"must be a string, got {_show(state['model_type'])}")
+        state["model_type"] = None
     num_layers, num_kv_heads = _model_geometry(reader, config, state["num_layers"], state["num_kv_heads"])
     state["num_layers"], state["num_kv_heads"] = num_layers, num_kv_heads
     declared, required, granularity, dtype_hints = _quantization_hints(reader, config)
 
     (k, v), forms = _tensor_scales(reader, num_layers, num_kv_heads, granularity)
-    json_path = pathlib.Path(scales_json) if scales_json is not None else reader.directory / LEGACY_JSON_FILE
-    if scales_json is not None or json_path.exists():
-        if not json_path.is_file():
-            raise reader.fatal(json_path, None, "scales JSON file does not exist")
+    json_path = _legacy_json_path(reader, scales_json)
+    if json_path is not None:
         json_scales, json_dtype = _legacy_json(reader, json_path, num_layers, state["model_type"])
         if json_dtype is not None:
             dtype_hints.append((str(json_path), "kv_cache.dtype", json_dtype))
@@ -548,6 +739,58 @@ def _read_into(reader: _Reader, state: dict, scales_json) -> None:
     elif formats:
         state["calibrated_for"] = formats.pop()
     state.update(declared=tuple(declared), forms=forms, k=k, v=v)
+
+
+def _legacy_json_path(reader: _Reader, scales_json) -> pathlib.Path | None:
+    """The legacy JSON file to read: `scales_json`, else the directory's own, else None."""
+    own = reader.directory / LEGACY_JSON_FILE
+    if scales_json is None:
+        return own if os.path.lexists(own) else None
+    given = pathlib.Path(scales_json)
+    if os.path.lexists(own) and not _same_file(given, own):
+        reader.problem(own, None, f"conflicting sources: scales_json={str(given)!r} was also given; remove one")
+    return given
+
+
+def _same_file(a: pathlib.Path, b: pathlib.Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
+def _require_directory(reader: _Reader) -> None:
+    if not reader.directory.is_dir():
+        raise reader.fatal(reader.directory, None, "is not a checkpoint directory")
+
+
+def _checked(reader: _Reader, read):
+    """read(reader) on a checkpoint directory, raising CheckpointError for the problems it records."""
+    result = None
+    try:
+        _require_directory(reader)
+        result = read(reader)
+    except _Fatal:
+        pass
+    if reader.problems:
+        raise CheckpointError(reader.problems)
+    return result
+
+
+def _check_geometry_arguments(num_layers, num_kv_heads) -> None:
+    if num_layers is not None:
+        _check_int_argument("num_layers", num_layers, 1, MAX_NUM_LAYERS + 1)
+    if num_kv_heads is not None:
+        _check_int_argument("num_kv_heads", num_kv_heads, 1)
+
+
+def _check_int_argument(name: str, value, low: int, high: int | None = None) -> None:
+    """TypeError unless `value` is an int (a bool is not), ValueError unless low <= value (< high)."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value >= high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise ValueError(f"{name} must be {bounds}, got {value}")
 
 
 # ----------------------------------------------------------------------------- per rank
@@ -591,15 +834,17 @@ def load_kv_cache_config(
     format they were calibrated for (e4m3fn unless the checkpoint says e4m3fnuz) to `cache_dtype`.
     With no scales in the checkpoint, an e4m3 cache uses 1.0 and warns once; e5m2 uses 1.0 silently
     (its range needs no scaling for typical activations).
-    Raises CheckpointError (naming files and tensors) for every problem of the checkpoint.
+    Raises CheckpointError (naming files and tensors) for every problem of the checkpoint, and
+    TypeError / ValueError naming the argument for bad arguments.
     """
     dtype = KVCacheDtype.parse(cache_dtype)
-    if not (isinstance(tp_size, int) and tp_size >= 1):
-        raise ValueError(f"tp_size must be a positive integer, got {tp_size!r}")
-    if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp_size):
-        raise ValueError(f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank!r}")
+    _check_int_argument("tp_size", tp_size, 1)
+    _check_int_argument("tp_rank", tp_rank, 0, tp_size)
+    _check_geometry_arguments(num_layers, num_kv_heads)
     if dtype is KVCacheDtype.UNQUANTIZED:
-        layers, _ = _read_geometry(checkpoint_dir, num_layers, num_kv_heads)
+        reader = _Reader(pathlib.Path(checkpoint_dir))
+        layers, _ = _checked(reader, lambda r: _model_geometry(r, r.json_object(r.directory / CONFIG_FILE),
+                                                               num_layers, num_kv_heads))
         return KVCacheConfig.unit_scales(dtype, layers, "unquantized cache: no scales")
     found = read_checkpoint_scales(checkpoint_dir, scales_json=scales_json, num_layers=num_layers, num_kv_heads=num_kv_heads)
     if found.problems:
@@ -621,44 +866,48 @@ def load_kv_cache_config(
 
     factor = dtype.scale_factor_from(found.calibrated_for)
     if found.legacy_json_scales:
-        k_global = v_global = _json_rank_scales(found, tp_rank, tp_size)
+        k_stored = v_stored = _json_rank_scales(found, tp_rank, tp_size)
         origin = found.legacy_json
     else:
-        k_global = [s.values for s in found.k]
-        v_global = [s.values for s in found.v]
+        k_stored, v_stored = found.k, found.v
         origin = ", ".join(found.forms)
-    k = [_for_rank(values, tp_rank, tp_size, factor) for values in k_global]
-    v = [_for_rank(values, tp_rank, tp_size, factor) for values in v_global]
+    problems = []
+    k = [_for_rank(scale, tp_rank, tp_size, factor, dtype, problems) for scale in k_stored]
+    v = [_for_rank(scale, tp_rank, tp_size, factor, dtype, problems) for scale in v_stored]
+    if problems:
+        raise CheckpointError(dict.fromkeys(problems))  # the legacy JSON's K and V scales are one source
     conversion = f", x{factor:g} for {dtype.value}" if factor != 1.0 else ""
     source = f"{found.directory}: {origin} (calibrated for {found.calibrated_for.value}{conversion})"
     return KVCacheConfig(dtype, k, v, source)
 
 
-def _read_geometry(checkpoint_dir, num_layers: int | None, num_kv_heads: int | None) -> tuple[int, int]:
-    """num_layers and num_kv_heads from config.json alone; raises CheckpointError on problems."""
-    reader = _Reader(pathlib.Path(checkpoint_dir))
-    try:
-        geometry = _model_geometry(reader, reader.json_object(reader.directory / CONFIG_FILE), num_layers, num_kv_heads)
-    except _Fatal:
-        pass
-    if reader.problems:
-        raise CheckpointError(reader.problems)
-    return geometry
-
-
-def _json_rank_scales(found: CheckpointScales, tp_rank: int, tp_size: int) -> list[tuple[float, ...]]:
+def _json_rank_scales(found: CheckpointScales, tp_rank: int, tp_size: int) -> list[FoundScale]:
+    """This rank's per-layer scales of the legacy JSON file, each named by its place in the file."""
     ranks = found.legacy_json_scales
-    if len(ranks) == 1:
-        # Calibrated without tensor parallelism: a per-tensor scale covers any subset of the heads.
-        return [(s,) for s in ranks[0]]
-    if len(ranks) != tp_size:
+    if len(ranks) not in (1, tp_size):
         raise CheckpointError([Problem(
             found.legacy_json, "kv_cache.scaling_factor",
             f"has scales for {len(ranks)} tensor-parallel ranks; expected 1 or tp_size={tp_size}",
         )])
-    return [(s,) for s in ranks[tp_rank]]
+    # One rank: calibrated without tensor parallelism; a per-tensor scale covers any subset of the heads.
+    rank = tp_rank if len(ranks) > 1 else 0
+    return [FoundScale(found.legacy_json, f"kv_cache.scaling_factor[{rank}][{layer}]", (s,))
+            for layer, s in enumerate(ranks[rank])]
 
 
-def _for_rank(values: tuple[float, ...], tp_rank: int, tp_size: int, factor: float) -> tuple[float, ...]:
-    # Multiplying a float32 by a power of two is exact unless it overflows, which KVCacheConfig rejects.
-    return tuple(s * factor for s in shard_kv_heads(values, tp_rank, tp_size))
+def _for_rank(scale: FoundScale, tp_rank: int, tp_size: int, factor: float, dtype: KVCacheDtype,
+              problems: list[Problem]) -> tuple[float, ...]:
+    """This rank's heads of `scale`, converted by `factor` for a `dtype` cache.
+
+    Multiplying a float32 by a power of two is exact unless it leaves float32's range (a scale near
+    3.4e38 doubled for e4m3fnuz overflows, one near 1.4e-45 halved underflows): a problem naming
+    the scale's file and tensor.
+    """
+    converted = []
+    for s in shard_kv_heads(scale.values, tp_rank, tp_size):
+        s32 = _float32(s * factor)
+        if not (math.isfinite(s32) and s32 > 0):
+            problems.append(Problem(scale.file, scale.tensor, f"scale {s:g} x{factor:g} for the {dtype.value} cache is "
+                                    f"{s32:g} in float32; it must be finite and > 0"))
+        converted.append(s32)
+    return tuple(converted)
