@@ -1,0 +1,298 @@
+"""Writing scales into a checkpoint (`export_checkpoint`) or a legacy JSON file (`export_legacy_json`).
+
+This module decides what is written where; `commit` writes it, all or nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pathlib
+import re
+import shutil
+from contextlib import nullcontext
+
+import torch
+
+from .. import distributed
+from ..checkpoint import CONFIG_FILE, INDEX_FILE, CheckpointError, format_ranges, read_checkpoint_scales
+from ..formats import KVCacheConfig, KVCacheDtype
+from . import commit
+
+SCALES_FILE = "kv_cache_scales.safetensors"
+SINGLE_FILE = "model.safetensors"
+_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
+
+
+def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, kv_cache: KVCacheConfig, *,
+                      module_template: str | None = None, group=None) -> pathlib.Path:
+    """Writes `kv_cache`'s scales (all KV heads) into a checkpoint; returns the output directory.
+
+    model_dir: the source checkpoint (config.json + safetensors), without KV cache scales.
+    out_dir: a new or empty directory outside model_dir, which becomes a copy of model_dir plus the
+        scales; or model_dir itself, to add the scales in place.
+    The scales are `P.k_scale` / `P.v_scale` float32 tensors ([1] per tensor, [num_kv_heads, 1, 1]
+    per head). A sharded checkpoint gets them in an added shard, kv_cache_scales.safetensors,
+    registered in model.safetensors.index.json; a single-file checkpoint gets them in its
+    model.safetensors (rewritten: transformers reads that file alone whenever it exists).
+    config.json's quantization_config gets `kv_cache_scheme` (a new compressed-tensors
+    quantization_config when there is none) and, for e4m3fnuz scales, `kv_cache_torch_dtype`.
+    module_template: the attention module of layer {} (e.g. 'model.layers.{}.self_attn'); found from
+        the k_proj / qkv_proj weight names when omitted.
+    The export is all-or-nothing. In place, the changed files are committed together (see `commit`):
+    after a crash the checkpoint is the old or the new one, and running the export again finishes
+    or redoes it (exporting the scales a checkpoint already holds does nothing). A copy is made in
+    a temporary sibling of out_dir, renamed to out_dir once complete.
+    Under torch.distributed only rank 0 of `group` writes, and every rank returns (or raises) once it is done.
+    """
+    source, out = pathlib.Path(model_dir), pathlib.Path(out_dir)
+    if out.exists() and out.resolve() == source.resolve():
+        write = functools.partial(_export_in_place, source, kv_cache, module_template)
+    else:
+        write = functools.partial(_export_copy, source, out, kv_cache, module_template)
+    distributed.on_writer(write, group)
+    return out
+
+
+def scales_file(model_dir: str | os.PathLike) -> str:
+    """The file of `model_dir` that an export writes the scales into: kv_cache_scales.safetensors for
+    a sharded checkpoint (one with an index), model.safetensors for a single-file one."""
+    directory = pathlib.Path(model_dir)
+    if (directory / INDEX_FILE).exists():
+        return SCALES_FILE
+    if [p.name for p in directory.glob("*.safetensors")] == [SINGLE_FILE]:
+        return SINGLE_FILE
+    raise ValueError(f"{directory} has neither {INDEX_FILE} nor a lone {SINGLE_FILE}: no file that every loader "
+                     "reads could take the scales")
+
+
+def _export_in_place(directory: pathlib.Path, kv_cache: KVCacheConfig, module_template) -> None:
+    with commit.locked(directory):
+        commit.recover(directory)  # an interrupted export first: it decides what the checkpoint holds
+        tensors = _checked_scale_tensors(directory, kv_cache, module_template, in_place=True)
+        if tensors is not None:
+            commit.replace_files(directory, _writers(directory, tensors, kv_cache))
+
+
+def _export_copy(source: pathlib.Path, out: pathlib.Path, kv_cache: KVCacheConfig, module_template) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"output directory {out} exists and is not empty")
+    if out.resolve().is_relative_to(source.resolve()):
+        raise ValueError(f"output directory {out} is inside the model directory {source}, so the copy would contain "
+                         f"itself; write it elsewhere, or into {source} itself to add the scales in place")
+    # A missing source is reported by the checkpoint reader, by name.
+    with commit.locked(source, shared=True) if source.is_dir() else nullcontext():
+        if commit.committed_files(source) is not None:
+            raise ValueError(f"{source} holds an interrupted export ({commit.JOURNAL}): export into it in place "
+                             "again to finish it")
+        tensors = _checked_scale_tensors(source, kv_cache, module_template, in_place=False)
+        with commit.new_directory(out) as stage:
+            _copy(source, stage, out)
+            commit.replace_files(stage, _writers(stage, tensors, kv_cache))
+
+
+def _checked_scale_tensors(directory: pathlib.Path, kv_cache: KVCacheConfig, module_template, *,
+                           in_place: bool) -> dict[str, torch.Tensor] | None:
+    """The scale tensors to write into `directory` after every check; None when an in-place export
+    finds them there already (declared as this export declares them)."""
+    found = read_checkpoint_scales(directory)
+    if found.problems:
+        raise CheckpointError(found.problems)
+    _check_geometry(kv_cache, found.num_layers, found.num_kv_heads, directory)
+    tensors = _scale_tensors(kv_cache, _module_template(directory, found.num_layers, module_template))
+    if found.has_scales or found.declared:
+        if in_place and _holds(directory, found, tensors, kv_cache):
+            return None
+        raise ValueError(f"{directory} already has KV cache scales ({', '.join(found.forms + found.declared)}); "
+                         "calibrate from the checkpoint without them")
+    if scales_file(directory) == SCALES_FILE and (directory / SCALES_FILE).exists():
+        raise FileExistsError(f"{directory / SCALES_FILE} already exists")
+    return tensors
+
+
+def _holds(directory: pathlib.Path, found, tensors: dict[str, torch.Tensor], kv_cache: KVCacheConfig) -> bool:
+    stored = {scale.tensor: scale.values for scale in (*found.k, *found.v)}
+    wanted = {name: tuple(t.flatten().tolist()) for name, t in tensors.items()}
+    quant = _read_json(directory / CONFIG_FILE).get("quantization_config")
+    return (stored == wanted and found.calibrated_for is kv_cache.dtype and isinstance(quant, dict)
+            and quant == _quantization_config(quant, kv_cache))
+
+
+def _writers(directory: pathlib.Path, tensors: dict[str, torch.Tensor], kv_cache: KVCacheConfig) -> dict:
+    """{file name: writer} for the files the export changes, in commit order: the scales, then the
+    index, then config.json (which declares them)."""
+    config = _read_json(directory / CONFIG_FILE)
+    config["quantization_config"] = _quantization_config(config.get("quantization_config"), kv_cache)
+    if scales_file(directory) == SINGLE_FILE:
+        rewrite = functools.partial(_write_single_file, directory / SINGLE_FILE, tensors=tensors)
+        return {SINGLE_FILE: rewrite, CONFIG_FILE: commit.json_writer(config)}
+    index = _read_json(directory / INDEX_FILE)
+    index["weight_map"].update(dict.fromkeys(tensors, SCALES_FILE))
+    metadata = index.get("metadata")
+    if isinstance(metadata, dict) and isinstance(metadata.get("total_size"), int):
+        metadata["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
+    return {SCALES_FILE: functools.partial(_write_shard, tensors=tensors),
+            INDEX_FILE: commit.json_writer(index), CONFIG_FILE: commit.json_writer(config)}
+
+
+def _write_shard(path: pathlib.Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _write_single_file(source: pathlib.Path, path: pathlib.Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Writes `source`'s tensors and metadata plus `tensors` to `path`."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(source), framework="pt") as f:
+        metadata = f.metadata()
+    save_file({**load_file(str(source)), **tensors}, str(path), metadata=metadata)
+
+
+def _copy(source: pathlib.Path, stage: pathlib.Path, out: pathlib.Path) -> None:
+    """Copies the checkpoint `source` into `stage` (a temporary stand-in for `out`), without the
+    temporaries of an interrupted export."""
+    def temporaries(_, names):
+        return [name for name in names if commit.is_temporary(name)]
+
+    try:
+        shutil.copytree(source, stage, dirs_exist_ok=True, ignore=temporaries)
+    except shutil.Error as e:
+        failures = e.args[0]
+        more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
+        raise OSError(f"cannot copy {source} to {out}: {failures[0][0]}: {failures[0][2]}{more}") from None
+    except OSError as e:
+        raise OSError(e.errno, f"cannot copy {source} to {out}: {e.filename}: {e.strerror}") from None
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _check_geometry(kv_cache: KVCacheConfig, num_layers: int, num_kv_heads: int, source: pathlib.Path) -> None:
+    if not kv_cache.dtype.is_e4m3:
+        raise ValueError(f"checkpoints hold scales calibrated for float8_e4m3fn or float8_e4m3fnuz, not "
+                         f"{kv_cache.dtype.value}")
+    if kv_cache.num_layers != num_layers:
+        raise ValueError(f"the scales cover {kv_cache.num_layers} layers, {source}/{CONFIG_FILE} has {num_layers}")
+    widths = sorted({len(s) for s in (*kv_cache.k_scales, *kv_cache.v_scales)})
+    if len(widths) != 1 or widths[0] not in (1, num_kv_heads):
+        raise ValueError(f"every layer needs 1 scale or num_kv_heads={num_kv_heads} scales (all KV heads of the "
+                         f"model, not one tensor-parallel rank's), got {widths}")
+
+
+# ----------------------------------------------------------------------------- module names
+
+_PROJECTIONS = (".k_proj.weight", ".qkv_proj.weight")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?=\.)")
+
+
+def _module_template(directory: pathlib.Path, num_layers: int, given: str | None) -> str:
+    """The attention module of layer {}: `given`, checked to name a module of every layer, or the
+    module above the K projection when it is None."""
+    names = _tensor_names(directory)
+    attention = _projection_modules(names)
+    if given is None:
+        complete = [t for t, layers in attention.items() if layers == set(range(num_layers))]
+        if len(complete) != 1:
+            seen = ", ".join(sorted(attention)) or "none"
+            raise ValueError(f"cannot tell the attention modules of {directory} from its weight names (K projections "
+                             f"of all {num_layers} layers found under: {seen}); pass module_template, e.g. "
+                             "'model.layers.{}.self_attn'")
+        return complete[0]
+    rest = given.replace("{}", "", 1)
+    if "{}" not in given or "{" in rest or "}" in rest:
+        raise ValueError(f"module_template must contain '{{}}' once, for the layer index, and no other braces; "
+                         f"got {given!r}")
+    modules = {name[:i] for name in names for i, c in enumerate(name) if c == "."}
+    missing = [layer for layer in range(num_layers) if given.format(layer) not in modules]
+    if missing:
+        examples = ", ".join(sorted(t.format(min(layers)) for t, layers in attention.items())) or "none found"
+        raise ValueError(f"module_template {given!r} names no module of {directory} for layer(s) "
+                         f"{format_ranges(missing)} (no tensor named '{given.format(missing[0])}.*'); attention "
+                         f"modules of the checkpoint: {examples}")
+    return given
+
+
+def _projection_modules(names: list[str]) -> dict[str, set[int]]:
+    """{'model.layers.{}.self_attn': {0, 1, ...}}: the modules holding a K projection, by layer."""
+    layers_by_template: dict[str, set[int]] = {}
+    for name in names:
+        suffix = next((s for s in _PROJECTIONS if name.endswith(s)), None)
+        match = _LAYER_INDEX.search(name[: -len(suffix)]) if suffix else None
+        if match:
+            module = name[: -len(suffix)]
+            template = module[: match.start(1)] + "{}" + module[match.end(1):]
+            layers_by_template.setdefault(template, set()).add(int(match.group(1)))
+    return layers_by_template
+
+
+def _tensor_names(directory: pathlib.Path) -> list[str]:
+    index_path = directory / INDEX_FILE
+    if index_path.exists():
+        return list(json.loads(index_path.read_text())["weight_map"])
+    from safetensors import safe_open
+
+    names = []
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            names += list(f.keys())
+    return names
+
+
+# ----------------------------------------------------------------------------- contents
+
+
+def _scale_tensors(kv_cache: KVCacheConfig, template: str) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for layer in range(kv_cache.num_layers):
+        module = template.format(layer)
+        for kind, values in (("k", kv_cache.k_scales[layer]), ("v", kv_cache.v_scales[layer])):
+            t = torch.tensor(values, dtype=torch.float32)
+            tensors[f"{module}.{kind}_scale"] = t if len(values) == 1 else t.reshape(-1, 1, 1)
+    return tensors
+
+
+def _quantization_config(existing, kv_cache: KVCacheConfig) -> dict:
+    """config.json's quantization_config with the kv_cache_scheme merged in."""
+    granularity = "tensor" if len(kv_cache.k_scales[0]) == 1 else "head"
+    scheme = {"num_bits": 8, "type": "float", "strategy": _STRATEGIES[granularity], "dynamic": False,
+              "symmetric": True}
+    # A model without quantization gets the compressed-tensors config llm-compressor writes for a
+    # KV-cache-only recipe: dense weights, no config groups.
+    quant = dict(existing) if existing else {"quant_method": "compressed-tensors", "format": "dense",
+                                             "quantization_status": "frozen", "config_groups": {}, "ignore": []}
+    quant["kv_cache_scheme"] = scheme
+    if kv_cache.dtype is KVCacheDtype.E4M3FNUZ:
+        quant["kv_cache_torch_dtype"] = KVCacheDtype.E4M3FNUZ.value
+    return quant
+
+
+def export_legacy_json(path: str | os.PathLike, kv_cache: KVCacheConfig, *, model_type: str | None = None,
+                       group=None) -> pathlib.Path:
+    """Writes the legacy `{"model_type", "kv_cache": {"dtype", "scaling_factor": {"0": {layer: s}}}}`.
+
+    The format holds one scale per layer for K and V together: max(k_scale, v_scale), so neither
+    saturates. Per-tensor scales only. Keep the file out of a checkpoint that already holds scale
+    tensors (the loader refuses two sources); pass it to the loader as scales_json. The file is
+    replaced atomically.
+    """
+    if any(len(s) != 1 for s in (*kv_cache.k_scales, *kv_cache.v_scales)):
+        raise ValueError("the legacy JSON holds per-tensor scales; calibrate with granularity 'tensor'")
+    if not kv_cache.dtype.is_e4m3:
+        raise ValueError(f"the legacy JSON holds e4m3 scales, not {kv_cache.dtype.value}")
+    path = pathlib.Path(path)
+    layers = {str(i): max(k[0], v[0]) for i, (k, v) in enumerate(zip(kv_cache.k_scales, kv_cache.v_scales))}
+    data = {"kv_cache": {"dtype": kv_cache.dtype.value, "scaling_factor": {"0": layers}}}
+    if model_type is not None:
+        data = {"model_type": model_type, **data}
+
+    def write():
+        commit.remove_temporaries(path.parent, path.name)
+        commit.replace_files(path.parent, {path.name: commit.json_writer(data)})
+
+    distributed.on_writer(write, group)
+    return path
