@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
+import struct
 
 import torch
 from safetensors.torch import save_file
@@ -67,6 +69,28 @@ def scale_tensors(k, v, *, form: str = "k_scale", shape: str = "auto", dtype=tor
         else:
             raise ValueError(form)
     return tensors
+
+
+def edit_index(directory, **weight_map_changes) -> None:
+    """Sets weight_map entries of the checkpoint's model.safetensors.index.json."""
+    path = pathlib.Path(directory) / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    index["weight_map"].update(weight_map_changes)
+    path.write_text(json.dumps(index))
+
+
+def raw_safetensors(path, header: bytes, data: bytes = b"", header_length: int | None = None) -> None:
+    """A safetensors file written byte by byte: 8-byte little-endian header length, header, data."""
+    length = len(header) if header_length is None else header_length
+    pathlib.Path(path).write_bytes(struct.pack("<Q", length) + header + data)
+
+
+def assert_reported(problems, message: str, file=None, tensor=None) -> None:
+    """One of `problems` (Problem objects or their text) names `file` and `tensor` and matches the
+    regular expression `message`."""
+    lines = [str(p) for p in problems]
+    assert any(re.search(message, line) and (file is None or str(file) in line)
+               and (tensor is None or tensor in line) for line in lines), (message, file, tensor, lines)
 
 
 def write_checkpoint(directory, *, config: dict | None = None, tensors: dict | None = None, shards: int = 1,

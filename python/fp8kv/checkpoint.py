@@ -231,7 +231,7 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 
 
 _SHORT = reprlib.Repr()
-_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 80, 80, 40
+_SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 200, 200, 40
 
 
 def _show(value) -> str:
