@@ -28,7 +28,8 @@ def _find_library() -> pathlib.Path:
     )
 
 
-torch.ops.load_library(str(_find_library()))
+LIBRARY_PATH = _find_library()
+torch.ops.load_library(str(LIBRARY_PATH))
 
 
 @torch.library.register_fake("fp8kv::reshape_and_cache")
