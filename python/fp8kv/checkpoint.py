@@ -310,7 +310,8 @@ def _quantization_hints(reader: _Reader, config: dict) -> tuple[list[str], bool,
             for ok, message in checks:
                 if not ok:
                     reader.problem(path, where, message)
-            declared.append(f"compressed-tensors kv_cache_scheme (strategy {strategy if granularity else _show(strategy)})")
+            shown = strategy if granularity else _show(strategy)
+            declared.append(f"compressed-tensors kv_cache_scheme (strategy {shown})")
             required = True
 
     for file, algo_owner, algo in _modelopt_algos(reader, quant):
@@ -368,9 +369,10 @@ def _locate_tensors(reader: _Reader) -> dict[str, pathlib.Path]:
     index_path = reader.directory / INDEX_FILE
     if os.path.lexists(index_path):
         return _indexed_tensors(reader, index_path)
-    files = sorted(reader.directory.glob("*.safetensors"))
+    entries = _directory_entries(reader)
+    files = [p for p in entries if p.name.endswith(".safetensors")]
     if not files:
-        pickled = sorted(p.name for p in reader.directory.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        pickled = [p.name for p in entries if p.suffix in (".bin", ".pt", ".pth")]
         if pickled:
             reader.problem(reader.directory, None, f"holds only pickled weights ({', '.join(pickled)}); "
                            "fp8kv reads KV cache scales from safetensors files only")
@@ -382,6 +384,13 @@ def _locate_tensors(reader: _Reader) -> dict[str, pathlib.Path]:
                 continue
             located[name] = path
     return located
+
+
+def _directory_entries(reader: _Reader) -> list[pathlib.Path]:
+    try:
+        return sorted(reader.directory.iterdir())
+    except OSError as e:
+        raise reader.fatal(reader.directory, None, f"cannot list the directory: {e.strerror or e}") from None
 
 
 def _indexed_tensors(reader: _Reader, index_path: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -427,8 +436,9 @@ def _scale_tensor_files(reader: _Reader) -> dict[str, pathlib.Path]:
         # A scales shard the index does not list is one that no loader reads: refuse rather than
         # fall back to unit scales.
         listed = {os.path.normpath(p) for p in located.values()}
-        for path in sorted(reader.directory.glob("*.safetensors")):
-            if os.path.normpath(path) not in listed and any(map(_scale_suffix, reader.tensor_names(path) or ())):
+        for path in _directory_entries(reader):
+            if (path.name.endswith(".safetensors") and os.path.normpath(path) not in listed
+                    and any(map(_scale_suffix, reader.tensor_names(path) or ()))):
                 reader.problem(path, None, f"holds KV cache scale tensors but {INDEX_FILE} does not list this file")
     return {name: path for name, path in located.items() if _scale_suffix(name) is not None}
 
@@ -622,7 +632,8 @@ def _legacy_json(reader: _Reader, path: pathlib.Path, num_layers: int, model_typ
         raise reader.fatal(path, "kv_cache.scaling_factor", "missing, empty or not an object of ranks")
     ranks = _int_keyed(reader, path, "kv_cache.scaling_factor", factors)
     if sorted(ranks) != list(range(len(ranks))):
-        reader.problem(path, "kv_cache.scaling_factor", f"ranks must be 0..{len(ranks) - 1}, got {sorted(ranks)}")
+        reader.problem(path, "kv_cache.scaling_factor",
+                       f"ranks must be 0..{len(ranks) - 1}, got {format_ranges(sorted(ranks))}")
         return (), calibrated_for
     scales = []
     for rank in range(len(ranks)):
@@ -632,7 +643,8 @@ def _legacy_json(reader: _Reader, path: pathlib.Path, num_layers: int, model_typ
             continue
         layers = _int_keyed(reader, path, where, ranks[rank])
         if len(layers) != num_layers or max(layers) >= num_layers:  # keys are distinct and >= 0
-            reader.problem(path, where, f"must have layers 0..{num_layers - 1} ({CONFIG_FILE}), got {format_ranges(sorted(layers)) if layers else 'none'}")
+            got = format_ranges(sorted(layers)) if layers else "none"
+            reader.problem(path, where, f"must have layers 0..{num_layers - 1} ({CONFIG_FILE}), got {got}")
             continue
         values = []
         for layer, s in sorted(layers.items()):
