@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Sets everything up on a fresh machine, then runs one job:
-#   bash scripts/run.sh demo    the main job (python -m fp8kv demo)
+#   bash scripts/run.sh demo    the main job (fp8kv demo)
 #   bash scripts/run.sh test    the test suite (GPU tests skip where there is no GPU)
-# torch is installed only when none is importable (torch==2.13.0; on a machine without its local
-# CPU wheel that download is large). fp8kv is built against whichever torch is installed.
+# The steps are README's Install section. torch is installed only when none is importable
+# (torch==2.13.0 from the package index: the CUDA build on Linux); fp8kv is built against
+# whichever torch is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 pip_install() { "$PYTHON" -m pip install -q --disable-pip-version-check "$@"; }
 "$PYTHON" -c "import torch" 2>/dev/null || pip_install torch==2.13.0
-pip_install "scikit-build-core>=0.10" ninja pytest numpy safetensors tqdm "transformers>=5.17"
-pip_install --no-build-isolation --no-deps .
+pip_install "scikit-build-core>=0.10" "cmake>=3.24" ninja
+pip_install --no-build-isolation ".[hf,test]"
 case "${1:-}" in
   demo) shift; exec "$PYTHON" -m fp8kv demo "$@" ;;
   test) shift; exec "$PYTHON" -m pytest -q -p no:cacheprovider tests "$@" ;;

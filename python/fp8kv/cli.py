@@ -1,20 +1,215 @@
-"""Command line: `python -m fp8kv demo`, `python -m fp8kv inspect CHECKPOINT` and `python -m fp8kv calibrate`."""
+"""Command line: `fp8kv demo | inspect | calibrate | evaluate`, also run as `python -m fp8kv`.
+
+Argument parsing and dispatch. Every argument is checked when it is parsed (argparse `type=`
+functions), and arguments that depend on each other before any model loads. A user error (a bad
+value, a missing or malformed file, a broken checkpoint, a missing optional package) prints
+`PROG COMMAND: error: argument ARG: what is wrong` on stderr and exits with status 2 (a bad argument)
+or 1 (an operation failed on the user's files or data), never with a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
+import os
 import pathlib
 import sys
 
+USAGE_ERROR, FAILURE = 2, 1
+# Optional packages a command may need, and how to get them.
+_OPTIONAL_PACKAGES = {"transformers": 'install fp8kv with its [hf] extra: pip install "fp8kv[hf]"'}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
-# ----------------------------------------------------------------------------- inspect
+
+class CommandError(Exception):
+    """A user error met while running a command; the message names the argument."""
+
+    def __init__(self, message: str, status: int = FAILURE):
+        super().__init__(message)
+        self.status = status
+
+
+class _Exit(SystemExit):
+    """SystemExit(status) raised once the error line is printed; str() is the message, for callers of main()."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(status)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _fail(prog: str, message: str, status: int):
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise _Exit(status, message)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line on stderr (no usage dump), exit status 2."""
+
+    def error(self, message: str):
+        _fail(self.prog, message, USAGE_ERROR)
+
+
+@contextlib.contextmanager
+def _blame(argument: str, errors: tuple[type[Exception], ...] = (OSError, ValueError)):
+    """Reports `errors` raised while using `argument`'s file or value as a CommandError naming it."""
+    try:
+        yield
+    except errors as e:
+        raise CommandError(f"argument {argument}: {_describe(e)}") from e
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, OSError) and error.strerror and error.filename:
+        return f"{error.filename}: {error.strerror}"
+    return str(error)
+
+
+# ----------------------------------------------------------------------------- argument types
+# Each raises ArgumentTypeError, which argparse reports as `argument ARG: message`.
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _margin(text: str) -> float:
+    """The rule of KVAmax.scales: a finite number >= 1."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1.0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 1, got {text!r}")
+    return value
+
+
+def _device(text: str):
+    import torch
+
+    from ._ops import has_cuda_kernels
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text}: no CUDA device is available (torch {torch.__version__})")
+        if not has_cuda_kernels():
+            raise argparse.ArgumentTypeError(f"{text}: fp8kv was built without its CUDA kernels (build it with a "
+                                             "CUDA torch and nvcc installed)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text}: there are {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def _default_device():
+    import torch
+
+    from ._ops import has_cuda_kernels
+
+    return torch.device("cuda" if torch.cuda.is_available() and has_cuda_kernels() else "cpu")
+
+
+def _input_file(text: str) -> pathlib.Path:
+    path = pathlib.Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: not a file")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"{text}: not readable")
+    return path
+
+
+def _unwritable(directory: pathlib.Path) -> str | None:
+    """What keeps us from creating files in `directory`, or None."""
+    if not directory.exists():
+        return f"directory {directory} does not exist"
+    if not directory.is_dir():
+        return f"{directory} is not a directory"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"{directory} is not writable"
+    return None
+
+
+def _output_directory(text: str) -> pathlib.Path:
+    """A directory path; where it must be writable depends on --model (see _check_calibration_arguments)."""
+    path = pathlib.Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: not a directory")
+    return path
+
+
+def _output_file(text: str) -> pathlib.Path:
+    """A file path in an existing writable directory."""
+    path = pathlib.Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: is a directory")
+    problem = _unwritable(path.absolute().parent)
+    if problem:
+        raise argparse.ArgumentTypeError(f"{text}: {problem}")
+    return path
+
+
+def _uncalibrated_checkpoint(text: str) -> pathlib.Path:
+    """A checkpoint directory the loader reads without problems, holding no KV cache scales yet."""
+    from .checkpoint import read_checkpoint_scales
+
+    from .calibration import scales_file
+
+    try:
+        found = read_checkpoint_scales(text)
+        if not found.problems:
+            scales_file(text)  # a checkpoint form the export can write into
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(_describe(e)) from None
+    if found.problems:
+        raise argparse.ArgumentTypeError("; ".join(str(p) for p in found.problems))
+    if found.has_scales or found.declared:
+        raise argparse.ArgumentTypeError(f"{text} already has KV cache scales ({', '.join(found.forms + found.declared)}"
+                                         "); calibrate from the checkpoint without them")
+    return pathlib.Path(text)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import demo
+    from .formats import KVCacheDtype
+
+    total = args.prompt_len + args.new_tokens
+    if total > demo.MAX_TOKENS:
+        raise CommandError(f"argument --new-tokens: --prompt-len + --new-tokens is {total}, more than the demo "
+                           f"model's {demo.MAX_TOKENS} positions", USAGE_ERROR)
+    torch.set_num_threads(args.threads)
+    fmt = KVCacheDtype.parse(args.kv_cache_dtype or "fp8_e4m3")
+    demo.run(args.device or _default_device(), fmt, batch_size=args.batch_size, prompt_len=args.prompt_len,
+             new_tokens=args.new_tokens)
+    return 0
 
 
 def _inspect(args: argparse.Namespace) -> int:
     """Prints what a checkpoint says about its KV cache scales; exit status 1 if anything is wrong."""
     from .checkpoint import read_checkpoint_scales
 
-    found = read_checkpoint_scales(args.checkpoint, scales_json=args.scales_json)
+    with _blame("checkpoint"):
+        found = read_checkpoint_scales(args.checkpoint, scales_json=args.scales_json)
     print(f"checkpoint:      {found.directory}")
     print(f"model:           {found.model_type or '?'}, {found.num_layers or '?'} layers, "
           f"{found.num_kv_heads or '?'} KV heads")
@@ -49,304 +244,164 @@ def _print_scale_table(found) -> None:
             print(f"{layer:>5}  {kind:4}  {values}    ({scale.tensor})")
 
 
-# ----------------------------------------------------------------------------- calibrate
+def _check_calibration_arguments(args: argparse.Namespace) -> None:
+    """The checks that involve several arguments, made before anything loads or is written."""
+    from .checkpoint import LEGACY_JSON_FILE
+
+    out, model = args.out, args.model.resolve()
+    if out.exists() and out.resolve() == model:
+        problem = _unwritable(out)  # the scales are added in place
+    elif out.exists() and any(out.iterdir()):
+        problem = (f"{out} is not empty (give a new or empty directory, or the --model directory to add the scales "
+                   "in place)")
+    elif out.resolve().is_relative_to(model):
+        problem = f"{out} is inside --model {args.model}: the copy would contain itself"
+    else:  # the copy is made next to it, then renamed
+        problem = _unwritable(next(p for p in out.absolute().parents if p.exists()))
+    if problem:
+        raise CommandError(f"argument --out: {problem}", USAGE_ERROR)
+    if args.legacy_json:
+        if args.granularity != "tensor":
+            raise CommandError("argument --legacy-json: the legacy JSON holds per-tensor scales; calibrate with "
+                               "--granularity tensor", USAGE_ERROR)
+        if args.legacy_json.resolve() == (args.out / LEGACY_JSON_FILE).resolve():
+            raise CommandError(f"argument --legacy-json: not {LEGACY_JSON_FILE} inside --out, which holds the scale "
+                               "tensors (the loader refuses two sources); write it elsewhere", USAGE_ERROR)
+    if not args.token_ids and not any((args.model / name).exists() for name in TOKENIZER_FILES):
+        raise CommandError(f"argument --data: {args.model} has no tokenizer ({', '.join(TOKENIZER_FILES)}): pass a "
+                           "file of token ids with --token-ids", USAGE_ERROR)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+def _calibration_batches(args: argparse.Namespace):
+    """--data as [rows, length] token batches, read before the model loads."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from .calibration import make_batches, text_sequences, token_id_sequences
+
+    if args.token_ids:
+        with _blame("--model"):
+            vocab_size = AutoConfig.from_pretrained(args.model).get_text_config(decoder=True).vocab_size
+        with _blame("--data"):
+            sequences = token_id_sequences(args.data, vocab_size)
+    else:
+        with _blame("--model"):
+            tokenizer = AutoTokenizer.from_pretrained(args.model)
+        if tokenizer.bos_token_id is not None and args.seq_len < 2:
+            raise CommandError("argument --seq-len: must be at least 2: every sequence starts with the tokenizer's "
+                               "BOS token", USAGE_ERROR)
+        with _blame("--data"):
+            sequences = text_sequences(args.data, tokenizer, args.seq_len)
+    return make_batches(sequences, args.seq_len, args.batch_size, args.max_tokens)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
     """Calibrates a checkpoint's K/V scales on the user's data and writes them into a checkpoint."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    _check_calibration_arguments(args)
+    batches = _calibration_batches(args)
 
-    from .calibration import (CalibrationError, calibrate, export_checkpoint, export_legacy_json, make_batches,
-                              text_sequences, token_id_sequences)
-    from .checkpoint import LEGACY_JSON_FILE, CheckpointError
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .calibration import CalibrationError, calibrate, export_checkpoint, export_legacy_json, scales_file
+    from .checkpoint import CONFIG_FILE
     from .formats import KVCacheDtype
 
-    try:
-        fmt = KVCacheDtype.parse(args.format)
-    except ValueError as e:
-        raise SystemExit(f"--format: {e}") from None
-    in_checkpoint = (pathlib.Path(args.out) / LEGACY_JSON_FILE).resolve()
-    if args.legacy_json and pathlib.Path(args.legacy_json).resolve() == in_checkpoint:
-        raise SystemExit(f"--legacy-json: not {LEGACY_JSON_FILE} inside --out, which holds the scale tensors "
-                         "(the loader refuses two sources); write it elsewhere")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    fmt = KVCacheDtype(args.format)
+    device = args.device or _default_device()
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
-    try:
-        if args.token_ids:
-            sequences = token_id_sequences(args.data, model.config.get_text_config(decoder=True).vocab_size)
-        else:
-            if not any((pathlib.Path(args.model) / name).exists() for name in TOKENIZER_FILES):
-                raise SystemExit(f"--data: {args.model} has no tokenizer ({', '.join(TOKENIZER_FILES)}): pass a "
-                                 "file of token ids with --token-ids")
-            tokenizer = AutoTokenizer.from_pretrained(args.model)
-            sequences = text_sequences(args.data, tokenizer, args.seq_len)
-        batches = make_batches(sequences, args.seq_len, args.batch_size, args.max_tokens)
+    with _blame("--model"):
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
+    with _blame("--model", (CalibrationError,)):  # layers whose attention never showed their K/V
         amax = calibrate(model, batches, granularity=args.granularity, progress=not args.no_progress)
+    with _blame("--data", (CalibrationError,)):  # NaN, inf or all-zero K/V
         kv_cache = amax.scales(fmt, margin=args.margin, zero_amax=args.zero_amax)
-        out = export_checkpoint(args.model, args.out, kv_cache)
-        if args.legacy_json:
+    with _blame("--out"):
+        export_checkpoint(args.model, args.out, kv_cache)
+    if args.legacy_json:
+        with _blame("--legacy-json"):
             export_legacy_json(args.legacy_json, kv_cache, model_type=getattr(model.config, "model_type", None))
-    except (CalibrationError, CheckpointError, ValueError, FileExistsError) as e:
-        raise SystemExit(f"calibrate: {e}") from None
+
     print(f"calibrated {kv_cache.num_layers} layers on {amax.num_tokens} tokens ({device}, {model.dtype}), "
           f"per {amax.granularity}, for {fmt.value}, margin {args.margin:g}")
     print(f"\n{'layer':>5}  {'K amax':>10} {'K scale':>11}  {'V amax':>10} {'V scale':>11}   (largest over heads)")
     for layer in range(kv_cache.num_layers):
         print(f"{layer:>5}  {max(amax.k[layer]):>10.4g} {max(kv_cache.k_scales[layer]):>11.4g}  "
               f"{max(amax.v[layer]):>10.4g} {max(kv_cache.v_scales[layer]):>11.4g}")
-    print(f"\nwrote {out} (scales in kv_cache_scales.safetensors, declared in config.json)"
+    print(f"\nwrote {args.out} (scales in {scales_file(args.out)}, declared in {CONFIG_FILE})"
           + (f" and {args.legacy_json}" if args.legacy_json else ""))
     return 0
 
 
-# ----------------------------------------------------------------------------- demo
-
-# A small Llama-style model (GQA, 4 layers, head size 64) built from a config with random weights:
-# the demo needs no download and finishes in well under a minute on two CPU cores.
-DEMO_MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
-# The KV geometry of Llama-3-8B (32 layers, 8 KV heads of 128), for the capacity table.
-LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_size=128)
+# ----------------------------------------------------------------------------- parser and dispatch
 
 
-def _demo(args: argparse.Namespace) -> int:
-    """Generates with a small built-in model on a bf16 and an FP8 paged cache and compares them."""
-    import torch
-
+def _parser(prog: str) -> argparse.ArgumentParser:
     from .formats import KVCacheDtype
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cpu":
-        torch.set_num_threads(args.threads)
-    try:
-        fmt = KVCacheDtype.parse(args.kv_cache_dtype)
-    except ValueError as e:
-        raise SystemExit(f"--kv-cache-dtype: {e}") from None
-    if not fmt.is_fp8:
-        raise SystemExit(f"--kv-cache-dtype must name an FP8 format, got {args.kv_cache_dtype!r}")
-    model = _demo_model(device)
-    prompt = torch.randint(0, DEMO_MODEL["vocab_size"], (args.batch_size, args.prompt_len),
-                           generator=torch.Generator().manual_seed(0)).to(device)
-    configs = {"bf16": _unquantized(), fmt.value: _calibrated(model, prompt, fmt)}
-    print(f"fp8kv demo on {_device_name(device)}: random-weight Llama ({DEMO_MODEL['num_hidden_layers']} layers, "
-          f"{DEMO_MODEL['num_key_value_heads']} KV heads x 64), batch {args.batch_size}, prompt {args.prompt_len}, "
-          f"{args.new_tokens} new tokens; {fmt.value} scales calibrated on the prompt")
-    _generate(model, prompt[:, :8], configs["bf16"], 2, None)  # warm-up: first-call overheads out of the timings
-    runs = {name: _generate(model, prompt, config, args.new_tokens, name) for name, config in configs.items()}
-    # Teacher forcing: the FP8 cache and transformers' own eager attention follow the bf16 run's
-    # tokens, so their logits compare with it step by step.
-    bf16_tokens = runs["bf16"]["tokens"][:, args.prompt_len:]
-    forced = {name: _generate(model, prompt, config, args.new_tokens, f"{name} (forced)", force=bf16_tokens)
-              for name, config in ((fmt.value, configs[fmt.value]), ("eager", None))}
-    print(_report(runs, forced, fmt, args))
-    return 0
-
-
-def _demo_model(device):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from .integrations.transformers import enable
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**DEMO_MODEL)).to(device=device, dtype=torch.bfloat16).eval()
-    return enable(model)
-
-
-def _unquantized():
-    from .formats import KVCacheConfig
-
-    return KVCacheConfig.unit_scales("auto", DEMO_MODEL["num_hidden_layers"])
-
-
-def _calibrated(model, prompt, fmt):
-    """Per-KV-head scales amax / max_finite from the prompt's K/V (e5m2 needs none: 1.0)."""
-    import torch
-
-    from .formats import KVCacheConfig
-    from .integrations.transformers import PagedCache
-
-    if not fmt.is_e4m3:
-        return KVCacheConfig.unit_scales(fmt, DEMO_MODEL["num_hidden_layers"])
-    cache = PagedCache(_unquantized(), max_tokens=prompt.shape[0] * (prompt.shape[1] + 15) // 16 * 16)
-    with torch.no_grad():
-        model(prompt, past_key_values=cache)
-    # The storage starts zeroed, so the amax over all of it is the amax of the prompt's K/V.
-    layers = [cache.paged.layer(i) for i in range(DEMO_MODEL["num_hidden_layers"])]
-    k = [key.float().abs().amax(dim=(0, 1, 3)).cpu() / fmt.max_finite for key, _ in layers]
-    v = [value.float().abs().amax(dim=(0, 1, 3)).cpu() / fmt.max_finite for _, value in layers]
-    return KVCacheConfig(fmt, k, v, "calibrated on the demo prompt")
-
-
-class _Progress:
-    """A transformers streamer driving a tqdm bar, and timing the first generated token."""
-
-    def __init__(self, total: int, label: str | None):
-        import time
-
-        from tqdm import tqdm
-
-        self.clock, self.calls, self.first_token_at = time.perf_counter, 0, None
-        self.bar = tqdm(total=total, desc=label, unit="tok", leave=False, disable=label is None, file=sys.stderr)
-
-    def put(self, value) -> None:
-        self.calls += 1
-        if self.calls == 2:  # the first call carries the prompt
-            self.first_token_at = self.clock()
-        if self.calls > 1:
-            self.bar.update(1)
-
-    def end(self) -> None:
-        self.bar.close()
-
-
-def _generate(model, prompt, config, new_tokens: int, label: str | None, force=None) -> dict:
-    """Greedy generation on a PagedCache in `config`'s format, or with transformers' eager attention
-    and its own cache when `config` is None; `force` teacher-forces the tokens."""
-    import time
-
-    import torch
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    from .integrations.transformers import PagedCache, enable
-
-    class Force(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            step = input_ids.shape[1] - prompt.shape[1]
-            return torch.full_like(scores, -torch.inf).scatter_(1, force[:, step:step + 1], 0.0)
-
-    cache = None
-    if config is None:
-        model.set_attn_implementation("eager")
-    else:
-        block_size = 16
-        per_sequence = -(-(prompt.shape[1] + new_tokens) // block_size) * block_size  # whole blocks
-        cache = PagedCache(config, max_tokens=prompt.shape[0] * per_sequence, block_size=block_size)
-    progress = _Progress(new_tokens, label and f"{label:>24}")
-    _synchronize(prompt.device)
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                             streamer=progress, output_logits=True, return_dict_in_generate=True,
-                             logits_processor=LogitsProcessorList([Force()] if force is not None else []))
-    _synchronize(prompt.device)
-    end = time.perf_counter()
-    enable(model)
-    return dict(tokens=out.sequences, logits=torch.stack(out.logits).float(),
-                cache_bytes=cache.memory_bytes if cache is not None else None,
-                prefill_s=progress.first_token_at - start,
-                decode_tokens_per_s=prompt.shape[0] * (new_tokens - 1) / (end - progress.first_token_at))
-
-
-def _synchronize(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _device_name(device) -> str:
-    import os
-
-    import torch
-
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)}"
-    return f"CPU ({torch.get_num_threads()} threads, {os.cpu_count()} cores)"
-
-
-def _report(runs: dict, forced: dict, fmt, args) -> str:
-    import torch
-
-    from .cache import capacity_report
-
-    bf16, fp8 = runs["bf16"], runs[fmt.value]
-    generated = slice(args.prompt_len, None)
-
-    def logit_error(name):
-        return ((forced[name]["logits"] - bf16["logits"]).abs().amax() / bf16["logits"].abs().amax()).item()
-
-    same = (bf16["tokens"][:, generated] == fp8["tokens"][:, generated]).float().mean().item()
-    top1 = (forced[fmt.value]["logits"].argmax(-1) == bf16["tokens"][:, generated].T).float().mean().item()
-    lines = ["", f"{'KV cache':>16} {'KV bytes':>12} {'prefill s':>10} {'decode tok/s':>13}"]
-    for name, run in runs.items():
-        lines.append(f"{name:>16} {run['cache_bytes']:>12,} {run['prefill_s']:>10.3f} {run['decode_tokens_per_s']:>13.1f}")
-    lines += [
-        "",
-        f"{fmt.value} cache compared with the bf16 cache:",
-        f"  greedy tokens identical (free running):    {same:.1%}",
-        f"  top-1 identical (teacher forced):          {top1:.1%}",
-        f"  max |logit error| / max |logit|:           {logit_error(fmt.value):.2%}",
-        f"bf16 cache compared with transformers' eager attention:",
-        f"  max |logit error| / max |logit|:           {logit_error('eager'):.2%}",
-        "",
-        "tokens that fit in 16 GiB of KV cache (block size 16):",
-    ]
-    model_geometry = dict(num_layers=DEMO_MODEL["num_hidden_layers"], num_kv_heads=DEMO_MODEL["num_key_value_heads"],
-                          head_size=DEMO_MODEL["hidden_size"] // DEMO_MODEL["num_attention_heads"])
-    for label, geometry in (("this demo model", model_geometry), ("Llama-3-8B geometry", LLAMA3_8B)):
-        report = capacity_report(16, model_dtype=torch.bfloat16, **geometry)
-        base = report[type(fmt).UNQUANTIZED]
-        lines.append(f"  {label:<20} bf16 {base:>12,}   {fmt.value} {report[fmt]:>12,}  ({report[fmt] / base:.1f}x)")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fp8kv", description="FP8 KV cache for transformer inference.")
+    parser = _Parser(prog=prog, description="FP8 KV cache for transformer inference.")
     commands = parser.add_subparsers(dest="command", required=True)
+    device_help = "cpu, cuda or cuda:N (default: cuda when available and fp8kv has its CUDA kernels, else cpu)"
 
     demo = commands.add_parser("demo", help="generate with a small built-in model on a bf16 and an FP8 cache")
-    demo.add_argument("--device", help="cpu or cuda (default: cuda when available)")
-    demo.add_argument("--kv-cache-dtype", default="fp8_e4m3",
-                      help="the FP8 format to compare with bf16 (default fp8_e4m3; see KVCacheDtype.parse)")
-    demo.add_argument("--threads", type=int, default=1,
+    demo.add_argument("--device", type=_device, help=device_help)
+    demo.add_argument("--kv-cache-dtype", choices=[fmt.value for fmt in KVCacheDtype if fmt.is_fp8],
+                      help="the FP8 format to compare with bf16 (default: float8_e4m3fn, or float8_e4m3fnuz on GPUs "
+                      "whose FP8 is e4m3fnuz)")
+    demo.add_argument("--threads", type=_positive_int, default=1,
                       help="CPU threads (default 1: the demo model's matmuls are too small to gain from more)")
-    demo.add_argument("--batch-size", type=int, default=4)
-    demo.add_argument("--prompt-len", type=int, default=64)
-    demo.add_argument("--new-tokens", type=int, default=48)
-    demo.set_defaults(run=_demo)
+    demo.add_argument("--batch-size", type=_positive_int, default=4, help="sequences (default 4)")
+    demo.add_argument("--prompt-len", type=_positive_int, default=64, help="prompt tokens (default 64)")
+    demo.add_argument("--new-tokens", type=_positive_int, default=48, help="generated tokens (default 48)")
+    demo.set_defaults(run=_demo, parser=demo)
 
     inspect = commands.add_parser("inspect", help="show a checkpoint's KV cache scales and every problem with them")
     inspect.add_argument("checkpoint", help="local checkpoint directory (config.json + safetensors)")
     inspect.add_argument("--scales-json", help="a legacy kv_cache_scales.json outside the checkpoint")
-    inspect.set_defaults(run=_inspect)
+    inspect.set_defaults(run=_inspect, parser=inspect)
 
     calib = commands.add_parser("calibrate", help="calibrate K/V cache scales on your data and write them into a "
                                 "checkpoint")
-    calib.add_argument("--model", required=True, help="local checkpoint directory (transformers causal LM)")
-    calib.add_argument("--data", required=True, help="text file (tokenized with the model's tokenizer), or with "
-                       "--token-ids a file of whitespace-separated token ids, one sequence per line")
-    calib.add_argument("--out", required=True, help="new or empty directory for the checkpoint with scales, or the "
-                       "--model directory itself to add the scales in place")
+    calib.add_argument("--model", required=True, type=_uncalibrated_checkpoint,
+                       help="local checkpoint directory (transformers causal LM) without KV cache scales")
+    calib.add_argument("--data", required=True, type=_input_file, help="text file (tokenized with the model's "
+                       "tokenizer), or with --token-ids a file of whitespace-separated token ids, one sequence per line")
+    calib.add_argument("--out", required=True, type=_output_directory, help="new or empty directory for the "
+                       "checkpoint with scales, or the --model directory itself to add the scales in place")
     calib.add_argument("--granularity", choices=("tensor", "head"), default="tensor",
                        help="one scale per layer (default), or one per KV head")
     calib.add_argument("--token-ids", action="store_true", help="--data holds token ids, not text")
-    calib.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
-    calib.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass (default 1)")
-    calib.add_argument("--max-tokens", type=int, help="stop after this many tokens of --data")
-    calib.add_argument("--format", default="float8_e4m3fn",
-                       help="format the scales are for: float8_e4m3fn (default; e4m3fnuz caches double them on "
-                       "load) or float8_e4m3fnuz")
-    calib.add_argument("--margin", type=float, default=1.0,
-                       help="scale = amax * margin / max_finite; >= 1 leaves headroom (default 1.0)")
+    calib.add_argument("--seq-len", type=_positive_int, default=2048, help="tokens per sequence (default 2048)")
+    calib.add_argument("--batch-size", type=_positive_int, default=1, help="sequences per forward pass (default 1)")
+    calib.add_argument("--max-tokens", type=_positive_int, help="stop after this many tokens of --data")
+    calib.add_argument("--format", choices=[fmt.value for fmt in KVCacheDtype if fmt.is_e4m3],
+                       default=KVCacheDtype.E4M3FN.value, help="format the scales are for (default float8_e4m3fn; "
+                       "e4m3fnuz caches double them on load, e5m2 caches use them as they are)")
+    calib.add_argument("--margin", type=_margin, default=1.0,
+                       help="scale = amax * margin / max_finite; a finite number >= 1 (default 1.0)")
     calib.add_argument("--zero-amax", choices=("error", "unit"), default="error",
                        help="an all-zero K/V head or layer: error (default), or scale 1.0 with a warning")
-    calib.add_argument("--legacy-json", help="also write the legacy kv_cache_scales.json here (per tensor)")
-    calib.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    calib.add_argument("--legacy-json", type=_output_file,
+                       help="also write the legacy kv_cache_scales.json here (per tensor)")
+    calib.add_argument("--device", type=_device, help=device_help)
     calib.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                        help="model dtype (default: the checkpoint's)")
     calib.add_argument("--no-progress", action="store_true", help="no progress bar")
-    calib.set_defaults(run=_calibrate)
-
-    args = parser.parse_args(argv)
-    return args.run(args)
+    calib.set_defaults(run=_calibrate, parser=calib)
+    return parser
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv: list[str] | None = None, prog: str = "fp8kv") -> int:
+    """Runs the command in `argv` (default: the process's arguments) and returns its exit status.
+
+    prog: the program name the user typed, for messages. A user error prints one line on stderr
+    and raises SystemExit: status 2 for a bad argument, 1 for a failed operation.
+    """
+    args = _parser(prog).parse_args(argv)
+    try:
+        return args.run(args)
+    except CommandError as e:
+        _fail(args.parser.prog, str(e), e.status)
+    except ModuleNotFoundError as e:
+        if e.name not in _OPTIONAL_PACKAGES:
+            raise
+        _fail(args.parser.prog, f"needs the {e.name} package: {_OPTIONAL_PACKAGES[e.name]}", FAILURE)

@@ -5,11 +5,16 @@ with the host and can be captured in a CUDA graph. The tensor layouts are those 
 docs/ops.md; bad input raises RuntimeError naming the argument.
 """
 
-from __future__ import annotations
-
 import torch
 
 from . import _ops  # noqa: F401  (loads the library)
+
+__all__ = ["reshape_and_cache", "paged_attention", "kv_amax"]
+
+
+def __dir__() -> list[str]:
+    # The module's imports are not part of its interface.
+    return __all__
 
 
 def reshape_and_cache(

@@ -1,0 +1,297 @@
+"""The command line: every user error is one line on stderr naming the argument, exit status 2 for
+a bad argument and 1 for a failed operation, no traceback and nothing written; the program name is
+the one the user typed; calibrate reports the file it wrote; the demo's scales are the calibrated
+maxima of its prompt."""
+
+import os
+import struct
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+import torch
+
+from checkpoints import compressed_tensors_config, llama_config, scale_tensors, write_checkpoint
+from fp8kv.checkpoint import CheckpointError, Problem
+from fp8kv.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+def run(args: list[str], capsys) -> tuple[int, str, str]:
+    """main(args) in this process: (exit status, stdout, stderr)."""
+    try:
+        status = main(args)
+    except SystemExit as e:
+        status = e.code
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_error(result, status: int, prog: str, argument: str, fragment: str) -> None:
+    """`result` failed with `status` and printed exactly one error line naming `argument`."""
+    got_status, _, err = result
+    assert got_status == status, err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"{prog}: error: argument {argument}: "), err
+    assert fragment in err, err
+
+
+def snapshot(directory) -> dict:
+    """Every file under `directory` with its bytes, and every directory."""
+    return {str(p.relative_to(directory)): p.read_bytes() if p.is_file() else None
+            for p in sorted(directory.rglob("*"))}
+
+
+# ----------------------------------------------------------------------------- demo
+
+
+@pytest.mark.parametrize("args, argument, fragment", [
+    (["--threads", "0"], "--threads", "expected a positive integer, got '0'"),
+    (["--threads", "two"], "--threads", "expected a positive integer, got 'two'"),
+    (["--batch-size", "-1"], "--batch-size", "expected a positive integer, got '-1'"),
+    (["--prompt-len", "0"], "--prompt-len", "expected a positive integer"),
+    (["--new-tokens", "1.5"], "--new-tokens", "expected a positive integer"),
+    (["--prompt-len", "4000", "--new-tokens", "97"], "--new-tokens", "is 4097, more than the demo model's 4096"),
+    (["--kv-cache-dtype", "auto"], "--kv-cache-dtype", "invalid choice: 'auto'"),
+    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype", "invalid choice: 'fp8'"),
+    (["--device", "tpu"], "--device", "expected cpu, cuda or cuda:N, got 'tpu'"),
+    (["--device", "cuda:99"], "--device", "cuda:99: "),
+])
+def test_demo_argument_errors(args, argument, fragment, capsys):
+    assert_error(run(["demo", *args], capsys), 2, "fp8kv demo", argument, fragment)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_demo_on_cuda_without_cuda(capsys):
+    assert_error(run(["demo", "--device", "cuda"], capsys), 2, "fp8kv demo", "--device",
+                 "cuda: no CUDA device is available")
+
+
+def test_demo_lists_only_the_formats_it_accepts(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "{float8_e4m3fn,float8_e5m2,float8_e4m3fnuz}" in help_text and "auto" not in help_text
+
+
+def test_missing_transformers_says_what_to_install(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ModuleNotFoundError
+    monkeypatch.delitem(sys.modules, "fp8kv.demo", raising=False)
+    status, _, err = run(["demo"], capsys)
+    assert status == 1
+    assert err == ('fp8kv demo: error: needs the transformers package: install fp8kv with its [hf] extra: '
+                   'pip install "fp8kv[hf]"\n')
+    model = write_checkpoint(tmp_path / "model")
+    (tmp_path / "ids.txt").write_text("1 2 3\n")
+    status, _, err = run(["calibrate", "--model", str(model), "--data", str(tmp_path / "ids.txt"), "--token-ids",
+                          "--out", str(tmp_path / "out")], capsys)
+    assert status == 1 and err.startswith("fp8kv calibrate: error: needs the transformers package")
+    assert not (tmp_path / "out").exists()
+
+
+def test_demo_scales_are_the_prompts_maxima():
+    """The demo's scales against max |K|, |V| per KV head read from transformers' own cache after a
+    forward pass over the prompt (independent of fp8kv's kv_amax), divided by max_finite in float64
+    and rounded once to float32, as KVAmax.scales specifies."""
+    pytest.importorskip("transformers")
+    from transformers import DynamicCache
+
+    from fp8kv import demo
+    from fp8kv.formats import KVCacheDtype
+
+    model = demo._demo_model(torch.device("cpu"))
+    prompt = torch.randint(0, demo.DEMO_MODEL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    model.set_attn_implementation("sdpa")
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt, past_key_values=cache)
+    k_amax = [layer.keys.float().abs().amax(dim=(0, 2, 3)).tolist() for layer in cache.layers]
+    v_amax = [layer.values.float().abs().amax(dim=(0, 2, 3)).tolist() for layer in cache.layers]
+
+    def f32(x):
+        return struct.unpack("f", struct.pack("f", x))[0]
+
+    for fmt, max_finite in ((KVCacheDtype.E4M3FN, 448.0), (KVCacheDtype.E4M3FNUZ, 240.0), (KVCacheDtype.E5M2, 448.0)):
+        config = demo._calibrated(model, prompt, fmt)
+        assert config.dtype is fmt
+        assert config.k_scales == tuple(tuple(f32(a / max_finite) for a in layer) for layer in k_amax)
+        assert config.v_scales == tuple(tuple(f32(a / max_finite) for a in layer) for layer in v_amax)
+    assert model.config._attn_implementation == "fp8kv"  # the demo model is back on fp8kv attention
+
+
+# ----------------------------------------------------------------------------- calibrate
+
+
+@pytest.fixture
+def workspace(tmp_path):
+    """A checkpoint without scales (config + a few weights, no tokenizer), a token-id file, and the
+    paths the cases refer to."""
+    write_checkpoint(tmp_path / "model")
+    write_checkpoint(tmp_path / "calibrated", config=llama_config(quantization_config=compressed_tensors_config()),
+                     tensors=scale_tensors([0.5, 0.5], [0.25, 0.25]))
+    write_checkpoint(tmp_path / "unknown_model_type", config={"num_hidden_layers": 2, "num_key_value_heads": 4})
+    (tmp_path / "no_config").mkdir()
+    (tmp_path / "ids.txt").write_text("1 5 9\n2 4\n")
+    (tmp_path / "words.txt").write_text("1 5 nine\n")
+    (tmp_path / "big_ids.txt").write_text("1 32000\n")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "something").write_text("x")
+    (tmp_path / "empty").mkdir()
+    return tmp_path
+
+
+# (changes to the arguments, exit status, argument named, message fragment). Arguments start as
+# --model model --data ids.txt --token-ids --out out; a value None drops the flag.
+CALIBRATE_ERRORS = [
+    ({"--model": "nowhere"}, 2, "--model", "nowhere: is not a checkpoint directory"),
+    ({"--model": "ids.txt"}, 2, "--model", "ids.txt: is not a checkpoint directory"),
+    ({"--model": "no_config"}, 2, "--model", "config.json: missing"),
+    ({"--model": "calibrated"}, 2, "--model", "already has KV cache scales"),
+    ({"--model": "unknown_model_type"}, 1, "--model", "model_type"),
+    ({"--data": "nowhere.txt"}, 2, "--data", "nowhere.txt: no such file"),
+    ({"--data": "empty"}, 2, "--data", "empty: not a file"),
+    ({"--data": "words.txt"}, 1, "--data", "words.txt:1: token ids must be integers"),
+    ({"--data": "big_ids.txt"}, 1, "--data", "token id 32000 is outside the vocabulary [0, 32000)"),
+    ({"--token-ids": None}, 2, "--data", "has no tokenizer"),
+    ({"--out": "ids.txt"}, 2, "--out", "ids.txt: not a directory"),
+    ({"--out": "ids.txt/out"}, 2, "--out", "ids.txt is not a directory"),
+    ({"--out": "full"}, 2, "--out", "is not empty"),
+    ({"--legacy-json": "missing/legacy.json"}, 2, "--legacy-json", "missing does not exist"),
+    ({"--legacy-json": "empty"}, 2, "--legacy-json", "is a directory"),
+    ({"--legacy-json": "legacy.json", "--granularity": "head"}, 2, "--legacy-json", "--granularity tensor"),
+    ({"--legacy-json": "empty/kv_cache_scales.json", "--out": "empty"}, 2, "--legacy-json", "inside --out"),
+    ({"--margin": "nan"}, 2, "--margin", "expected a finite number >= 1, got 'nan'"),
+    ({"--margin": "inf"}, 2, "--margin", "got 'inf'"),
+    ({"--margin": "0.5"}, 2, "--margin", "got '0.5'"),
+    ({"--margin": "wide"}, 2, "--margin", "got 'wide'"),
+    ({"--format": "float8_e5m2"}, 2, "--format", "invalid choice: 'float8_e5m2'"),
+    ({"--format": "fp8"}, 2, "--format", "invalid choice: 'fp8'"),
+    ({"--seq-len": "0"}, 2, "--seq-len", "expected a positive integer"),
+    ({"--batch-size": "-2"}, 2, "--batch-size", "expected a positive integer"),
+    ({"--max-tokens": "0"}, 2, "--max-tokens", "expected a positive integer"),
+    ({"--device": "cuda:99"}, 2, "--device", "cuda:99: "),
+    ({"--zero-amax": "ignore"}, 2, "--zero-amax", "invalid choice"),
+]
+
+
+PATH_FLAGS = ("--model", "--data", "--out", "--legacy-json")
+
+
+def calibrate_args(directory, changes: dict) -> list[str]:
+    options = {"--model": "model", "--data": "ids.txt", "--token-ids": True, "--out": "out", **changes}
+    args = ["calibrate", "--no-progress"]
+    for flag, value in options.items():
+        if value is True:
+            args.append(flag)
+        elif value is not None:
+            args += [flag, str(directory / value) if flag in PATH_FLAGS else value]
+    return args
+
+
+@pytest.mark.parametrize("changes, status, argument, fragment", CALIBRATE_ERRORS,
+                         ids=[" ".join(f"{k}={v}" for k, v in c[0].items()) for c in CALIBRATE_ERRORS])
+def test_calibrate_errors_write_nothing(workspace, changes, status, argument, fragment, capsys):
+    if status == 1:
+        pytest.importorskip("transformers")
+    before = snapshot(workspace)
+    assert_error(run(calibrate_args(workspace, changes), capsys), status, "fp8kv calibrate", argument, fragment)
+    assert snapshot(workspace) == before
+
+
+@pytest.fixture
+def unwritable_directory(tmp_path):
+    """A directory this process cannot write into (root ignores permission bits: /proc/sys then)."""
+    if os.geteuid() == 0:
+        if not os.path.isdir("/proc/sys") or os.access("/proc/sys", os.W_OK):
+            pytest.skip("no directory is unwritable for this process")
+        yield "/proc/sys"
+        return
+    directory = tmp_path / "read_only"
+    directory.mkdir()
+    directory.chmod(0o555)
+    yield str(directory)
+    directory.chmod(0o755)
+
+
+def test_calibrate_refuses_unwritable_outputs(workspace, unwritable_directory, capsys):
+    before = snapshot(workspace)
+    for flag, path in (("--out", f"{unwritable_directory}/out"), ("--legacy-json", f"{unwritable_directory}/l.json")):
+        args = calibrate_args(workspace, {}) + [flag, path]
+        assert_error(run(args, capsys), 2, "fp8kv calibrate", flag, f"{unwritable_directory} is not writable")
+    assert snapshot(workspace) == before
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_calibrate_reports_the_file_it_wrote(tmp_path, sharded, capsys):
+    """Single-file checkpoints get their scales in model.safetensors, sharded ones in an added shard:
+    the report names the file that holds them."""
+    pytest.importorskip("transformers")
+    from safetensors import safe_open
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    model.save_pretrained(tmp_path / "model", max_shard_size="20KB" if sharded else "1GB")
+    assert (tmp_path / "model" / "model.safetensors.index.json").exists() == sharded
+    (tmp_path / "ids.txt").write_text("1 2 3 4 5 6 7 8\n")
+    status, out, _ = run(["calibrate", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "ids.txt"),
+                          "--token-ids", "--out", str(tmp_path / "out"), "--no-progress", "--device", "cpu"], capsys)
+    assert status == 0
+    expected = "kv_cache_scales.safetensors" if sharded else "model.safetensors"
+    assert f"wrote {tmp_path / 'out'} (scales in {expected}, declared in config.json)" in out
+    with safe_open(str(tmp_path / "out" / expected), framework="pt") as f:
+        assert {"model.layers.0.self_attn.k_scale", "model.layers.1.self_attn.v_scale"} <= set(f.keys())
+
+
+# ----------------------------------------------------------------------------- inspect
+
+
+def test_inspect_reports_a_loader_error_in_one_line(monkeypatch, tmp_path, capsys):
+    import fp8kv.checkpoint
+
+    def broken(*args, **kwargs):
+        raise CheckpointError([Problem(str(tmp_path / "config.json"), None, "cannot read: Input/output error")])
+
+    monkeypatch.setattr(fp8kv.checkpoint, "read_checkpoint_scales", broken)
+    status, out, err = run(["inspect", str(tmp_path)], capsys)
+    assert status == 1 and out == ""
+    assert err.startswith("fp8kv inspect: error: argument checkpoint: invalid KV cache scales")
+    assert "config.json: cannot read: Input/output error" in err
+
+
+# ----------------------------------------------------------------------------- as a program
+
+
+def test_module_program_name_and_no_traceback(tmp_path):
+    write_checkpoint(tmp_path / "model")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_bytes(b"\xff\xfe not json")
+    check_program([sys.executable, "-m", "fp8kv"], "python -m fp8kv", [
+        (["calibrate", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "nowhere"), "--out",
+          str(tmp_path / "out")], 2, "calibrate: error: argument --data: "),
+        (["inspect", str(tmp_path / "broken")], 1, None),
+    ])
+    assert not (tmp_path / "out").exists()
+
+
+def test_console_script_program_name():
+    path = os.path.join(sysconfig.get_path("scripts"), "fp8kv")
+    if not os.path.exists(path):
+        pytest.skip("the fp8kv console script is not installed")
+    check_program([path], "fp8kv", [(["demo", "--threads", "0"], 2, "demo: error: argument --threads: ")])
+
+
+def check_program(command: list[str], prog: str, cases) -> None:
+    """`command --help` shows `prog`; each (args, status, error line start after prog) exits with
+    that status, one error line (when given) and no traceback."""
+    usage = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=300)
+    assert usage.returncode == 0 and usage.stdout.startswith(f"usage: {prog} "), usage.stdout
+    for args, status, error in cases:
+        result = subprocess.run([*command, *args], capture_output=True, text=True, timeout=300)
+        assert result.returncode == status, result.stderr
+        assert "Traceback" not in result.stderr + result.stdout
+        if error is not None:
+            assert result.stderr.startswith(f"{prog} {error}") and result.stderr.count("\n") == 1, result.stderr
