@@ -396,6 +396,28 @@ def test_export_refusals(tmp_path):
         assert not (tmp_path / name).exists()
 
 
+def test_single_file_rewrite_keeps_every_tensor_byte_for_byte_and_aligned(tmp_path):
+    """Odd-sized tensors of narrow dtypes end the data (42 bytes past the float32 weights: scales
+    appended there would be misaligned); no tensor may lose its alignment, and no old byte may change."""
+    odd = {"extra.f64": torch.randn(3, dtype=torch.float64), "extra.bf16": torch.randn(5).bfloat16(),
+           "extra.flags": torch.tensor([True, False, True]), "extra.i8": torch.arange(5, dtype=torch.int8)}
+    source = write_checkpoint(tmp_path / "source", tensors=odd)
+    before = load_file(str(source / "model.safetensors"))
+    export_checkpoint(source, tmp_path / "out", random_amax(2, 4).scales())
+    raw = (tmp_path / "out" / "model.safetensors").read_bytes()
+    (size,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + size])
+    assert (8 + size) % 8 == 0
+    item_sizes = {"F64": 8, "F32": 4, "BF16": 2, "BOOL": 1, "I8": 1}
+    for name, entry in header.items():
+        if name != "__metadata__":
+            assert entry["data_offsets"][0] % item_sizes[entry["dtype"]] == 0, name
+    after = load_file(str(tmp_path / "out" / "model.safetensors"))  # safetensors checks the layout has no holes
+    assert after.keys() == before.keys() | {f"model.layers.{i}.self_attn.{k}_scale" for i in range(2) for k in "kv"}
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name].view(torch.uint8), tensor.view(torch.uint8))
+
+
 def test_module_names_come_from_the_weights_or_the_caller(tmp_path):
     renamed = {f"transformer.h.{i}.attn.{p}.weight": torch.zeros(2, 2) for i in range(2) for p in ("q_proj", "k_proj")}
     source = write_checkpoint(tmp_path / "source", tensors=renamed)

@@ -179,9 +179,10 @@ def _write_temporary(directory: pathlib.Path, name: str, write: Writer) -> pathl
     path = directory / temporary_name(name)
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # 0o666: the umask applies, as for open()
     try:
+        replaced = directory / name
+        mode = stat.S_IMODE(os.stat(replaced if os.path.exists(replaced) else path).st_mode)
         write(path)
-        with contextlib.suppress(FileNotFoundError):
-            os.chmod(path, stat.S_IMODE(os.stat(directory / name).st_mode))
+        os.chmod(path, mode)
         _fsync(path)
     except BaseException:
         os.unlink(path)

@@ -11,12 +11,15 @@ import os
 import pathlib
 import re
 import shutil
+import struct
 from contextlib import nullcontext
+from typing import Iterable
 
 import torch
 
 from .. import distributed
-from ..checkpoint import CONFIG_FILE, INDEX_FILE, CheckpointError, format_ranges, read_checkpoint_scales
+from ..checkpoint import (CONFIG_FILE, INDEX_FILE, CheckpointError, checkpoint_tensor_names, format_ranges,
+                          read_checkpoint_scales)
 from ..formats import KVCacheConfig, KVCacheDtype
 from . import commit
 
@@ -120,36 +123,63 @@ def _holds(directory: pathlib.Path, found, tensors: dict[str, torch.Tensor], kv_
 
 
 def _writers(directory: pathlib.Path, tensors: dict[str, torch.Tensor], kv_cache: KVCacheConfig) -> dict:
-    """{file name: writer} for the files the export changes, in commit order: the scales, then the
-    index, then config.json (which declares them)."""
+    """{file name: writer} for the files the export changes, in commit order. config.json, which
+    declares the scales (and e4m3fnuz), comes before the file that makes them visible (the index or
+    model.safetensors): a reader that ignores the commit journal then never reads undeclared scales
+    (e4m3fnuz scales as e4m3fn), it finds the declared ones missing."""
     config = _read_json(directory / CONFIG_FILE)
     config["quantization_config"] = _quantization_config(config.get("quantization_config"), kv_cache)
     if scales_file(directory) == SINGLE_FILE:
-        rewrite = functools.partial(_write_single_file, directory / SINGLE_FILE, tensors=tensors)
-        return {SINGLE_FILE: rewrite, CONFIG_FILE: commit.json_writer(config)}
+        rewrite = functools.partial(_write_safetensors, tensors=tensors, base=directory / SINGLE_FILE)
+        return {CONFIG_FILE: commit.json_writer(config), SINGLE_FILE: rewrite}
     index = _read_json(directory / INDEX_FILE)
     index["weight_map"].update(dict.fromkeys(tensors, SCALES_FILE))
     metadata = index.get("metadata")
     if isinstance(metadata, dict) and isinstance(metadata.get("total_size"), int):
         metadata["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
-    return {SCALES_FILE: functools.partial(_write_shard, tensors=tensors),
-            INDEX_FILE: commit.json_writer(index), CONFIG_FILE: commit.json_writer(config)}
+    return {SCALES_FILE: functools.partial(_write_safetensors, tensors=tensors),
+            CONFIG_FILE: commit.json_writer(config), INDEX_FILE: commit.json_writer(index)}
 
 
-def _write_shard(path: pathlib.Path, tensors: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
+def _write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], base: pathlib.Path | None = None) -> None:
+    """Writes float32 `tensors` as a safetensors file, followed by the tensors and metadata of the
+    safetensors file `base`, streamed byte for byte. The new tensors come first: their bytes (K/V
+    pairs of float32, a multiple of 8) move the old tensors' offsets without changing their alignment."""
+    blobs = [struct.pack(f"<{t.numel()}f", *t.flatten().tolist()) for t in tensors.values()]
+    entries, end = {}, 0
+    for (name, t), blob in zip(tensors.items(), blobs):
+        entries[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [end, end + len(blob)]}
+        end += len(blob)
+    metadata = {"format": "pt"}
+    if base is not None:
+        old_entries, data_start = _safetensors_header(base)
+        metadata = old_entries.pop("__metadata__", None)
+        for entry in old_entries.values():
+            entry["data_offsets"] = [offset + end for offset in entry["data_offsets"]]
+        entries.update(old_entries)
+    header = {"__metadata__": metadata, **entries} if metadata else entries
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as out:
+        out.write(struct.pack("<Q", len(encoded)) + encoded)
+        out.writelines(blobs)
+        if base is not None:
+            with open(base, "rb") as f:
+                f.seek(data_start)
+                shutil.copyfileobj(f, out, 1 << 24)
 
-    save_file(tensors, str(path), metadata={"format": "pt"})
 
-
-def _write_single_file(source: pathlib.Path, path: pathlib.Path, tensors: dict[str, torch.Tensor]) -> None:
-    """Writes `source`'s tensors and metadata plus `tensors` to `path`."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    with safe_open(str(source), framework="pt") as f:
-        metadata = f.metadata()
-    save_file({**load_file(str(source)), **tensors}, str(path), metadata=metadata)
+def _safetensors_header(path: pathlib.Path) -> tuple[dict, int]:
+    """The header of safetensors file `path` and where its data starts; its tensors must fill the data."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    data_size = os.path.getsize(path) - 8 - size
+    end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0)
+    if end != data_size:
+        raise ValueError(f"{path}: its tensors end at byte {end} of its {data_size} data bytes; not a complete "
+                         "safetensors file")
+    return header, 8 + size
 
 
 def _copy(source: pathlib.Path, stage: pathlib.Path, out: pathlib.Path) -> None:
@@ -193,7 +223,7 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?=\.)")
 def _module_template(directory: pathlib.Path, num_layers: int, given: str | None) -> str:
     """The attention module of layer {}: `given`, checked to name a module of every layer, or the
     module above the K projection when it is None."""
-    names = _tensor_names(directory)
+    names = checkpoint_tensor_names(directory)
     attention = _projection_modules(names)
     if given is None:
         complete = [t for t, layers in attention.items() if layers == set(range(num_layers))]
@@ -217,7 +247,7 @@ def _module_template(directory: pathlib.Path, num_layers: int, given: str | None
     return given
 
 
-def _projection_modules(names: list[str]) -> dict[str, set[int]]:
+def _projection_modules(names: Iterable[str]) -> dict[str, set[int]]:
     """{'model.layers.{}.self_attn': {0, 1, ...}}: the modules holding a K projection, by layer."""
     layers_by_template: dict[str, set[int]] = {}
     for name in names:
@@ -228,19 +258,6 @@ def _projection_modules(names: list[str]) -> dict[str, set[int]]:
             template = module[: match.start(1)] + "{}" + module[match.end(1):]
             layers_by_template.setdefault(template, set()).add(int(match.group(1)))
     return layers_by_template
-
-
-def _tensor_names(directory: pathlib.Path) -> list[str]:
-    index_path = directory / INDEX_FILE
-    if index_path.exists():
-        return list(json.loads(index_path.read_text())["weight_map"])
-    from safetensors import safe_open
-
-    names = []
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            names += list(f.keys())
-    return names
 
 
 # ----------------------------------------------------------------------------- contents
