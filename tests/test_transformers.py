@@ -270,9 +270,10 @@ def test_attention_without_a_paged_cache_is_an_error():
 
 
 def test_a_full_cache_is_an_error():
+    # Each of the 2 sequences gets 16 of the 32 slots; the 9-token prompt fits, the 8th new token does not.
     model = enable(tiny_model("llama", torch.bfloat16, "cpu"))
     ids, mask = prompt("cpu")
-    with pytest.raises(CacheFullError, match="free finished sequences or allocate a larger cache"):
+    with pytest.raises(CacheFullError, match="at its capacity of 16 tokens .* allocate a larger cache"):
         generate(model, ids, mask, cache=PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=32,
                                                     block_size=16))
 
@@ -282,7 +283,7 @@ def test_a_new_batch_needs_a_new_cache():
     ids, mask = prompt("cpu")
     cache = PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=256)
     model(ids, attention_mask=mask, past_key_values=cache)
-    with pytest.raises(ValueError, match="holds 2 sequences, the input has 1 rows"):
+    with pytest.raises(ValueError, match="holds 2 sequences, the input has 1 rows; reset"):
         model(ids[:1], past_key_values=cache)
     cache.reset()
     model(ids[:1], past_key_values=cache)

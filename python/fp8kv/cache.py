@@ -2,7 +2,10 @@
 
 Storage is one allocation per cache, viewed per layer as the ops' logical
 [num_blocks, block_size, num_kv_heads, head_size] tensors. Sequences own whole blocks; a batch
-step reserves slots for its new tokens and gets the index tensors the ops read (`BatchMetadata`).
+step reserves slots for its new tokens and gets the index tensors the ops read (`BatchMetadata`):
+from the host `BlockAllocator` (sequences come and go, blocks are shared on demand), or from a
+`FixedBatch` (a fixed set of sequences with a fixed share each, planned on the device so that a
+captured decode step stays valid).
 """
 
 from __future__ import annotations
@@ -111,6 +114,128 @@ class BlockAllocator:
         start = self._lengths[seq_id]
         self._lengths[seq_id] = start + n
         return [blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(start, start + n)]
+
+
+class FixedBatch:
+    """`num_seqs` sequences with `blocks_per_seq` blocks each, whose index tensors live on the device
+    and change only in place: a graph captured around a step (torch.compile, CUDA graphs) reads the
+    same tensors at every replay, and a decode step is planned without the host.
+
+    Sequence i owns blocks [i * blocks_per_seq, (i + 1) * blocks_per_seq), i.e. the `capacity`
+    slots from i * capacity on, so `block_tables` is written once. It takes the blocks from the
+    start of the cache it indexes and does not use that cache's BlockAllocator.
+    """
+
+    def __init__(self, num_seqs: int, blocks_per_seq: int, block_size: int, device: torch.device | str):
+        for name, value in (("num_seqs", num_seqs), ("blocks_per_seq", blocks_per_seq), ("block_size", block_size)):
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        self.capacity = blocks_per_seq * block_size
+        self.block_tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=device).view(
+            num_seqs, blocks_per_seq)
+        self.seq_lens = torch.zeros(num_seqs, dtype=torch.int32, device=device)
+        self.slot_mapping = torch.full((num_seqs,), -1, dtype=torch.int64, device=device)
+        self.overflowed = torch.zeros((), dtype=torch.bool, device=device)
+        self._first_slots = torch.arange(num_seqs, dtype=torch.int64, device=device) * self.capacity
+        self.decode_metadata = BatchMetadata(self.slot_mapping, self.block_tables, self.seq_lens, None)
+        self._overflow_poll = _FlagPoll(self.overflowed)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.numel()
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor a step reads or updates (for torch._dynamo.mark_static_address)."""
+        return self.block_tables, self.seq_lens, self.slot_mapping, self.overflowed, self._first_slots
+
+    def clear(self) -> None:
+        """Empties every sequence, in place."""
+        self._overflow_poll.discard()
+        self.seq_lens.zero_()
+        self.slot_mapping.fill_(-1)
+        self.overflowed.zero_()
+
+    def append_one(self, real: torch.Tensor | None = None) -> BatchMetadata:
+        """Decode: reserves one slot per sequence, on the device (no host sync), and returns
+        `decode_metadata`. real: bool [num_seqs], False where the new token is padding (no slot, not
+        counted), or None (all real). A sequence already holding `capacity` tokens gets no slot
+        either (its token is not cached; nothing is written out of bounds) and sets `overflowed`,
+        which `raise_if_overflowed` turns into CacheFullError."""
+        positions = self.seq_lens.long()
+        fits = positions < self.capacity
+        wanted = fits if real is None else real & fits
+        self.slot_mapping.copy_(torch.where(wanted, self._first_slots + positions, -1))
+        self.seq_lens.add_(wanted.int())
+        self.overflowed.logical_or_((~fits if real is None else real & ~fits).any())
+        return self.decode_metadata
+
+    def extend(self, num_new_tokens: Sequence[int]) -> BatchMetadata:
+        """Reserves `num_new_tokens[i]` slots for sequence i (prefill, chunked prefill), planned on the
+        host: reads seq_lens, which waits for the device. All or nothing: on CacheFullError nothing
+        is reserved."""
+        if len(num_new_tokens) != self.num_seqs:
+            raise ValueError(f"{len(num_new_tokens)} token counts for a batch of {self.num_seqs} sequences")
+        self.raise_if_overflowed()
+        lengths = self.seq_lens.tolist()
+        for seq, (length, n) in enumerate(zip(lengths, num_new_tokens)):
+            if n < 0:
+                raise ValueError(f"sequence {seq}: token count must be >= 0, got {n}")
+            if length + n > self.capacity:
+                raise CacheFullError(
+                    f"sequence {seq} holds {length} tokens and gets {n} more, past its capacity of {self.capacity} "
+                    f"({self.block_tables.shape[1]} blocks); allocate a larger cache")
+        counts = torch.tensor(num_new_tokens, dtype=torch.int64)
+        starts = torch.tensor(lengths, dtype=torch.int64) + torch.arange(self.num_seqs) * self.capacity
+        firsts = counts.cumsum(0) - counts  # index of each sequence's first new token in the step
+        seq_of_token = torch.repeat_interleave(torch.arange(self.num_seqs), counts)
+        slots = starts[seq_of_token] + torch.arange(int(counts.sum())) - firsts[seq_of_token]
+        self.seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32) + counts.int())
+        cu_seqlens_q = None
+        if any(n != 1 for n in num_new_tokens):
+            cu_seqlens_q = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(self.seq_lens.device, torch.int32)
+        return BatchMetadata(slots.to(self.seq_lens.device), self.block_tables, self.seq_lens, cu_seqlens_q)
+
+    def raise_if_overflowed(self, wait: bool = True) -> None:
+        """Raises CacheFullError if a decode step found a sequence full. wait=False never waits for
+        the device: it reads the flag as copied to the host by an earlier call, so it reports an
+        overflow one call late (at once on the CPU)."""
+        if self._overflow_poll.read(wait):
+            raise CacheFullError(
+                f"a decode step found a sequence at its capacity of {self.capacity} tokens "
+                f"({self.block_tables.shape[1]} blocks) and did not cache its new token; allocate a larger cache")
+
+
+class _FlagPoll:
+    """Reads a device bool on the host; without waiting, through a pinned copy started by the
+    previous read (the pattern of a deferred stop check: the host never stalls on the device)."""
+
+    def __init__(self, flag: torch.Tensor):
+        self.flag = flag
+        self._asynchronous = flag.device.type == "cuda"
+        if self._asynchronous:
+            self._host = torch.zeros((), dtype=torch.bool, pin_memory=True)
+            self._copied = torch.cuda.Event()
+            self._pending = False
+
+    def read(self, wait: bool) -> bool:
+        if wait or not self._asynchronous:
+            return bool(self.flag)
+        value = False
+        if self._pending and self._copied.query():
+            self._pending, value = False, bool(self._host)
+        if not self._pending:
+            with torch.cuda.device(self.flag.device):
+                self._host.copy_(self.flag, non_blocking=True)
+                self._copied.record()
+            self._pending = True
+        return value
+
+    def discard(self) -> None:
+        """Forgets a copy in flight (taken before the flag was cleared)."""
+        if self._asynchronous and self._pending:
+            self._copied.synchronize()
+            self._pending = False
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_size: int, cache_dtype: torch.dtype) -> int:

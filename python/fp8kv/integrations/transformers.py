@@ -2,17 +2,24 @@
 
     from fp8kv.integrations.transformers import PagedCache, enable
     model = enable(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
-    cache = PagedCache(load_kv_cache_config(path, "fp8_e4m3"), max_tokens=8192)
+    cache = PagedCache(load_kv_cache_config(path, "fp8_e4m3"), max_tokens=batch * 8192, compileable=True)
     out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
 
 Two public extension points of transformers (5.x) carry it: an attention function registered
 with `AttentionInterface` (and a mask function with `AttentionMaskInterface`) under the name
 "fp8kv", and `PagedCache`, a `Cache` whose layers write nothing themselves. Each layer's
-`update` tags the new key tensor with its layer; the attention function then writes the new K/V
-into the paged cache (quantizing with the layer's scales) and attends over it with fp8kv's ops.
-Works for models whose attention calls `past_key_values.update` and then the attention function
-with the returned tensors (Llama, Qwen2, Mistral and most decoder-only models), with greedy or
-sampled decoding and left-padded batches; beam search and cache cropping are not supported.
+`update` tags the new key tensor with the cache's shared state; the attention function then writes
+the new K/V into the paged cache (quantizing with the layer's scales) and attends over it with
+fp8kv's ops. Works for models whose attention calls `past_key_values.update` and then the
+attention function with the returned tensors (Llama, Qwen2, Mistral and most decoder-only models),
+with greedy or sampled decoding and left-padded batches; beam search and cache cropping are not
+supported.
+
+Decode steps (one new token per sequence) are planned on the device, in place, in tensors of fixed
+shapes (`fp8kv.cache.FixedBatch`), so the step can be compiled and captured in a CUDA graph: with
+`compileable=True`, `generate` compiles the decode forward (transformers' static-cache path,
+`torch.compile(mode="reduce-overhead")` by default on CUDA) and replays one graph per step, whatever
+the number of layers. Steps with several new tokens (prefill) are planned on the host and run eagerly.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import PagedAttention
-from ..cache import BatchMetadata, PagedKVCache
+from ..cache import BatchMetadata, CacheFullError, FixedBatch, PagedKVCache
 from ..formats import KVCacheConfig
 
 ATTN_IMPLEMENTATION = "fp8kv"
@@ -34,7 +41,7 @@ _TAG = "_fp8kv_paged_layer"
 def register() -> str:
     """Registers fp8kv's attention and mask functions with transformers; returns their name."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, padding_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, new_tokens_mask)
     return ATTN_IMPLEMENTATION
 
 
@@ -44,13 +51,13 @@ def enable(model):
     return model
 
 
-def padding_mask(*, kv_length: int, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
-    """The mask the attention function gets: the 2D padding mask over the kv positions, or None
-    when nothing is padded (causality is the kernel's)."""
+def new_tokens_mask(*, q_length: int, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """The mask the attention function gets: [batch, q_length] bool, False where a new token is
+    padding, or None without a padding mask. Its shape does not grow with the context (a compiled
+    decode step keeps one shape); causality is the kernel's, and padding is never cached."""
     if attention_mask is None:
         return None
-    attention_mask = attention_mask[:, -kv_length:]
-    return None if attention_mask.all() else attention_mask
+    return attention_mask[:, -q_length:]
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -69,42 +76,150 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         raise NotImplementedError("fp8kv attention is causal softmax attention: no attention sinks, no bidirectional")
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError(f"fp8kv attention takes padding masks only, got a {attention_mask.dim()}-D mask")
-    cache, layer_idx = handle
-    return cache.attend(layer_idx, query, key, value, attention_mask, scaling, sliding_window, softcap), None
+    state, layer_idx = handle
+    return state.attend(layer_idx, query, key, value, attention_mask, scaling, sliding_window, softcap), None
+
+
+class _PagedState:
+    """What the layers and the attention function share: the storage, the batch's index tensors and
+    the layers' PagedAttention modules. It refers to neither the PagedCache nor its layers, so the
+    storage goes as soon as the last reference to the cache does (no cycle left for gc to find)."""
+
+    def __init__(self, kv_cache: KVCacheConfig, num_blocks: int, block_size: int, layout: str):
+        self.kv_cache, self.num_blocks, self.block_size, self.layout = kv_cache, num_blocks, block_size, layout
+        self.paged: PagedKVCache | None = None
+        self.batch: FixedBatch | None = None
+        self.seen: torch.Tensor | None = None  # positions given so far, padding included (transformers' count)
+        self.attention: list[PagedAttention | None] = [None] * kv_cache.num_layers
+        self.host_step: tuple[BatchMetadata, torch.Tensor | None] | None = None
+        self.batch_started = False
+
+    def accept(self, layer_idx: int, key: torch.Tensor) -> None:
+        """Allocates the storage at the first update."""
+        if layer_idx >= self.kv_cache.num_layers:
+            raise ValueError(f"the model has more layers than the KVCacheConfig's {self.kv_cache.num_layers}")
+        if self.paged is None:
+            self.paged = PagedKVCache(self.kv_cache, num_kv_heads=key.shape[1], head_size=key.shape[-1],
+                                      num_blocks=self.num_blocks, block_size=self.block_size,
+                                      model_dtype=key.dtype, device=key.device, layout=self.layout)
+            self.seen = torch.zeros((), dtype=torch.int64, device=key.device)
+            _mark_static(self.paged._storage, self.seen)
+
+    def attend(self, layer_idx, query, key, value, new_tokens, scaling, sliding_window, softcap) -> torch.Tensor:
+        """Writes the layer's new K/V into the paged cache and attends; returns [batch, new, heads, head_size]."""
+        batch_size, num_heads, new, head_size = query.shape
+        if layer_idx == 0:
+            self._plan(batch_size, new, new_tokens)
+        batch, rows = (self.batch.decode_metadata, None) if new == 1 else self.host_step
+        module = self._attention(layer_idx, num_heads, key.shape[1], head_size, scaling, sliding_window, softcap)
+        q, k, v = (t.transpose(1, 2).reshape(batch_size * new, t.shape[1], head_size) for t in (query, key, value))
+        if rows is not None:
+            q, k, v = q[rows], k[rows], v[rows]
+        out = module(q, k, v, self.paged, batch)
+        if rows is not None:
+            out = torch.zeros(batch_size * new, num_heads, head_size, dtype=out.dtype, device=out.device).index_copy_(
+                0, rows, out)
+        return out.view(batch_size, new, num_heads, head_size)
+
+    def _plan(self, batch_size: int, new: int, new_tokens: torch.Tensor | None) -> None:
+        """Reserves this step's slots: on the device for a decode step, on the host otherwise.
+        Padded positions (mask False) are neither cached nor attended."""
+        if not self.batch_started:
+            self._start_batch(batch_size)
+        elif self.batch.num_seqs != batch_size:
+            raise ValueError(f"PagedCache holds {self.batch.num_seqs} sequences, the input has {batch_size} rows; "
+                             "reset() it or use a new PagedCache for a new batch")
+        if new == 1:
+            self.batch.append_one(None if new_tokens is None else new_tokens.reshape(batch_size))
+        else:
+            rows = None
+            if new_tokens is None:
+                counts = [new] * batch_size
+            else:
+                counts = new_tokens.sum(1).tolist()
+                if sum(counts) != new_tokens.numel():
+                    rows = new_tokens.reshape(-1).nonzero().squeeze(1)
+            self.host_step = self.batch.extend(counts), rows
+        self.seen.add_(new)
+
+    def _start_batch(self, batch_size: int) -> None:
+        """Gives each sequence of a new batch an equal share of the blocks; the batch's tensors are
+        kept (cleared) when the batch size is unchanged, so a compiled step stays valid."""
+        if torch.compiler.is_compiling():
+            raise RuntimeError("PagedCache: the first step of a batch must run eagerly (generate's prefill does)")
+        blocks_per_seq = self.num_blocks // batch_size
+        if blocks_per_seq == 0:
+            raise CacheFullError(f"PagedCache: {self.num_blocks} blocks of {self.block_size} tokens cannot give each of "
+                                 f"{batch_size} sequences a block; allocate a larger cache")
+        if self.batch is not None and self.batch.num_seqs == batch_size:
+            self.batch.clear()
+        else:
+            self.batch = FixedBatch(batch_size, blocks_per_seq, self.block_size, self.paged.device)
+            _mark_static(*self.batch.tensors)
+        self.seen.zero_()
+        self.batch_started = True
+
+    def _attention(self, layer_idx, num_heads, num_kv_heads, head_size, scaling, sliding_window, softcap):
+        """The layer's PagedAttention, built at its first call with the model's own parameters."""
+        window = sliding_window if sliding_window is not None else -1
+        cap = softcap if softcap is not None else 0.0
+        module = self.attention[layer_idx]
+        if module is None:
+            module = PagedAttention(num_heads, num_kv_heads, head_size, self.kv_cache, layer_idx,
+                                    softmax_scale=scaling, sliding_window=window, logits_soft_cap=cap)
+            self.attention[layer_idx] = module.to(self.paged.device)
+            _mark_static(module.k_scale, module.v_scale)
+        elif (module.num_heads, module.softmax_scale, module.sliding_window, module.logits_soft_cap) != (
+                num_heads, module.softmax_scale if scaling is None else scaling, window, cap):
+            raise ValueError(f"layer {layer_idx} attention parameters changed between calls")
+        return module
+
+    def reset(self) -> None:
+        self.batch_started = False
+        self.host_step = None
+        if self.seen is not None:
+            self.seen.zero_()
+
+
+def _mark_static(*tensors: torch.Tensor) -> None:
+    """Tells torch.compile that these tensors keep their address (updated in place, never replaced),
+    so CUDA graphs read them directly instead of copying them in at every replay."""
+    for tensor in tensors:
+        torch._dynamo.mark_static_address(tensor)
 
 
 class _PagedLayer(CacheLayerMixin):
-    """One layer's view of the PagedCache: counts the tokens it has seen and tags new keys."""
+    """One layer's view of the PagedCache: tags new keys with the shared state."""
 
     is_sliding = False
-    is_compileable = False
     supports_early_init = False
 
-    def __init__(self, owner: PagedCache, layer_idx: int):
+    def __init__(self, state: _PagedState, layer_idx: int, compileable: bool):
         super().__init__()
-        self.owner, self.layer_idx, self.seen = owner, layer_idx, 0
+        self.state, self.layer_idx, self.is_compileable = state, layer_idx, compileable
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        self.is_initialized = True
-        self.owner.accept(self.layer_idx, key_states)
-        self.seen += key_states.shape[-2]
-        setattr(key_states, _TAG, (self.owner, self.layer_idx))
+        if not self.is_initialized:
+            self.is_initialized = True
+        self.state.accept(self.layer_idx, key_states)
+        setattr(key_states, _TAG, (self.state, self.layer_idx))
         return key_states, value_states
 
-    def get_seq_length(self) -> int:
-        return self.seen
+    def get_seq_length(self) -> int | torch.Tensor:
+        return 0 if self.state.seen is None else self.state.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
+        # The attention function gets only the new keys; the mask function keeps their columns.
+        return query_length, 0
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        self.seen = 0
+        pass  # the shared state holds everything
 
     def _unsupported(self, *args, **kwargs):
         raise NotImplementedError("PagedCache does not support beam search, batch reordering or cropping")
@@ -116,83 +231,46 @@ class PagedCache(Cache):
     """A transformers Cache backed by fp8kv's PagedKVCache in the format of `kv_cache`.
 
     kv_cache: the format and per-layer scales (e.g. from fp8kv.load_kv_cache_config).
-    max_tokens: cache capacity in tokens, all sequences of the batch together; each sequence
-        occupies whole blocks of `block_size` tokens.
+    max_tokens: cache capacity in tokens for the whole batch: each of the batch's sequences gets an
+        equal share of whole blocks of `block_size` tokens (max_tokens >= batch * (prompt + new
+        tokens), rounded up to blocks, fits every sequence).
+    compileable: lets `generate` compile the decode step (transformers' static-cache path: on CUDA
+        by default, elsewhere with `compile_config._compile_all_devices`); `generate(...,
+        disable_compile=True)` turns it off for one call.
     The storage is allocated at the first forward, on the model's device, with the model's KV head
-    count and head size. Batch row i is sequence i; left padding is skipped, never cached.
+    count and head size. Batch row i is sequence i; left padding is skipped, never cached. A step
+    past a sequence's share raises CacheFullError: at once on the host for a prefill, and for a
+    decode step, whose plan lives on the device, at a later step's mask creation, without waiting
+    for the device (`generate` raises it one or two steps late; the late steps cached nothing).
     """
 
-    def __init__(self, kv_cache: KVCacheConfig, *, max_tokens: int, block_size: int = 16, layout: str = "NHD"):
+    def __init__(self, kv_cache: KVCacheConfig, *, max_tokens: int, block_size: int = 16, layout: str = "NHD",
+                 compileable: bool = False):
         if not isinstance(kv_cache, KVCacheConfig):
             raise TypeError(f"kv_cache must be a KVCacheConfig, got {type(kv_cache).__name__}")
-        self.kv_cache, self.block_size, self.layout = kv_cache, block_size, layout
-        self.num_blocks = math.ceil(max_tokens / block_size)
-        self.paged: PagedKVCache | None = None
-        self.attention: list[PagedAttention | None] = [None] * kv_cache.num_layers
-        self._step: tuple[BatchMetadata, torch.Tensor | None] | None = None
-        super().__init__(layers=[_PagedLayer(self, i) for i in range(kv_cache.num_layers)])
+        if max_tokens <= 0 or block_size <= 0:
+            raise ValueError(f"max_tokens and block_size must be positive, got {max_tokens} and {block_size}")
+        self._state = _PagedState(kv_cache, math.ceil(max_tokens / block_size), block_size, layout)
+        super().__init__(layers=[_PagedLayer(self._state, i, compileable) for i in range(kv_cache.num_layers)])
 
-    def accept(self, layer_idx: int, key: torch.Tensor) -> None:
-        """Allocates the storage at the first update."""
-        if layer_idx >= self.kv_cache.num_layers:
-            raise ValueError(f"the model has more layers than the KVCacheConfig's {self.kv_cache.num_layers}")
-        if self.paged is None:
-            self.paged = PagedKVCache(self.kv_cache, num_kv_heads=key.shape[1], head_size=key.shape[-1],
-                                      num_blocks=self.num_blocks, block_size=self.block_size,
-                                      model_dtype=key.dtype, device=key.device, layout=self.layout)
-
-    def attend(self, layer_idx, query, key, value, attention_mask, scaling, sliding_window, softcap) -> torch.Tensor:
-        """Writes the layer's new K/V into the paged cache and attends; returns [batch, new, heads, head_size]."""
-        batch_size, num_heads, new, head_size = query.shape
-        if layer_idx == 0:
-            self._step = self._plan(batch_size, new, attention_mask)
-        batch, rows = self._step
-        module = self._attention(layer_idx, num_heads, key.shape[1], head_size, scaling, sliding_window, softcap)
-        q, k, v = (t.transpose(1, 2).reshape(batch_size * new, t.shape[1], head_size) for t in (query, key, value))
-        if rows is not None:
-            q, k, v = q[rows], k[rows], v[rows]
-        out = module(q, k, v, self.paged, batch)
-        if rows is not None:
-            out = torch.zeros(batch_size * new, num_heads, head_size, dtype=out.dtype, device=out.device).index_copy_(
-                0, rows, out)
-        return out.view(batch_size, new, num_heads, head_size)
-
-    def _plan(self, batch_size: int, new: int, attention_mask: torch.Tensor | None):
-        """Reserves this step's slots. Padded positions (mask 0) are neither cached nor attended."""
-        if not self.paged.allocator.sequences:
-            for seq in range(batch_size):
-                self.paged.add_sequence(seq)
-        elif len(self.paged.allocator.sequences) != batch_size:
-            raise ValueError(f"PagedCache holds {len(self.paged.allocator.sequences)} sequences, the input has "
-                             f"{batch_size} rows; use a new PagedCache for a new batch")
-        if attention_mask is None:
-            return self.paged.prepare(range(batch_size), [new] * batch_size), None
-        real = attention_mask[:, -new:].to(torch.bool)
-        counts = real.sum(1).tolist()
-        rows = None if sum(counts) == real.numel() else real.reshape(-1).nonzero().squeeze(1)
-        return self.paged.prepare(range(batch_size), counts), rows
-
-    def _attention(self, layer_idx, num_heads, num_kv_heads, head_size, scaling, sliding_window, softcap):
-        """The layer's PagedAttention, built at its first call with the model's own parameters."""
-        window = sliding_window if sliding_window is not None else -1
-        cap = softcap if softcap is not None else 0.0
-        module = self.attention[layer_idx]
-        if module is None:
-            module = PagedAttention(num_heads, num_kv_heads, head_size, self.kv_cache, layer_idx,
-                                    softmax_scale=scaling, sliding_window=window, logits_soft_cap=cap)
-            self.attention[layer_idx] = module.to(self.paged.device)
-        elif (module.num_heads, module.softmax_scale, module.sliding_window, module.logits_soft_cap) != (
-                num_heads, module.softmax_scale if scaling is None else scaling, window, cap):
-            raise ValueError(f"layer {layer_idx} attention parameters changed between calls")
-        return module
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """transformers calls this before every step (outside a compiled step, in generate) to build
+        the masks: the moment to report an overflow of an earlier decode step."""
+        batch = self._state.batch
+        if batch is not None and not torch.compiler.is_compiling():
+            batch.raise_if_overflowed(wait=False)
+        return super().get_mask_sizes(query_length, layer_idx)
 
     def reset(self) -> None:
-        """Forgets every sequence (the storage stays allocated)."""
+        """Forgets every sequence (the storage stays allocated, and a compiled step stays valid for
+        a new batch of the same size)."""
         super().reset()
-        if self.paged is not None:
-            for seq in self.paged.allocator.sequences:
-                self.paged.free_sequence(seq)
-        self._step = None
+        self._state.reset()
+
+    @property
+    def paged(self) -> PagedKVCache | None:
+        """The storage (None before the first forward)."""
+        return self._state.paged
 
     @property
     def memory_bytes(self) -> int:
