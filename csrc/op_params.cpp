@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <initializer_list>
+#include <limits>
 #include <string>
+#include <vector>
 
 #include <c10/util/Exception.h>
 
@@ -19,6 +22,114 @@ DType to_dtype(c10::ScalarType t) {
     case c10::ScalarType::Float8_e5m2: return DType::kFloat8E5M2;
     case c10::ScalarType::Float8_e4m3fnuz: return DType::kFloat8E4M3FNUZ;
     default: TORCH_CHECK(false, "fp8kv: unsupported dtype ", t);
+  }
+}
+
+// The kernels index heads, rows, blocks and positions with int32. A table row may cover at most
+// 2^30 tokens, which leaves int32 headroom for every tile end and window bound computed from it.
+constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
+constexpr int64_t kMaxTokensPerSequence = int64_t{1} << 30;
+
+void check_int32(const char* op, const char* what, int64_t value) {
+  TORCH_CHECK(value <= kMaxInt32, op, ": ", what, " = ", value, " exceeds the int32 limit ", kMaxInt32);
+}
+
+// A double scalar that the kernels read as float32: finite, > 0 and still > 0 and finite in float32.
+float positive_float32(const char* op, const char* name, double value, const char* none_hint) {
+  const float narrowed = static_cast<float>(value);
+  TORCH_CHECK(std::isfinite(value) && value > 0 && std::isfinite(narrowed) && narrowed > 0, op, ": `", name,
+              "` must be ", none_hint, "a finite positive number representable in float32 (",
+              std::numeric_limits<float>::denorm_min(), " to ", std::numeric_limits<float>::max(), "), got ", value);
+  return narrowed;
+}
+
+// ---------------------------------------------------------------------------- memory overlap
+
+struct Named {
+  const char* name;
+  const at::Tensor* tensor;
+};
+
+const at::Tensor kNoTensor;  // an absent optional input
+
+struct Span {  // the bytes a strided tensor can touch: [begin, end)
+  const char* begin;
+  const char* end;
+};
+
+Span byte_span(const at::Tensor& t) {
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const char* begin = static_cast<const char*>(t.data_ptr());
+  return Span{begin, begin + (last + 1) * static_cast<int64_t>(t.element_size())};
+}
+
+// (stride, size) of the dimensions with more than one element, by increasing stride; empty when the
+// layout is not nested, i.e. some stride does not exceed the span of the smaller ones (then elements
+// may coincide, and offsets are not decided below).
+std::vector<std::pair<int64_t, int64_t>> nested_dims(const at::Tensor& t, bool* nested) {
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t span = 0;
+  *nested = true;
+  for (const auto& [stride, size] : dims) {
+    if (stride <= span) *nested = false;
+    span += (size - 1) * stride;
+  }
+  return dims;
+}
+
+// Whether offset = sum_k c_k * stride_k with |c_k| < size_k, over nested dims[0..k]. Each stride
+// exceeds the span below it, so at most two values of c_k leave a remainder the lower dims can reach.
+bool reachable(int64_t offset, const std::vector<std::pair<int64_t, int64_t>>& dims, int64_t k) {
+  if (k < 0) return offset == 0;
+  int64_t below = 0;
+  for (int64_t j = 0; j < k; ++j) below += (dims[j].second - 1) * dims[j].first;
+  const auto [stride, size] = dims[k];
+  const auto floor_div = [](int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); };
+  const int64_t lo = std::max(-(size - 1), -floor_div(below - offset, stride));
+  const int64_t hi = std::min(size - 1, floor_div(offset + below, stride));
+  for (int64_t c = lo; c <= hi; ++c) {
+    if (reachable(offset - c * stride, dims, k - 1)) return true;
+  }
+  return false;
+}
+
+// Whether two tensors may share an element. Decided exactly for views of one allocation with the same
+// shape, strides and dtype (such as the K and V halves of an interleaved cache); otherwise any
+// intersection of the byte spans counts as overlap.
+bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.storage().is_alias_of(b.storage())) return false;
+  const Span sa = byte_span(a), sb = byte_span(b);
+  if (sa.end <= sb.begin || sb.end <= sa.begin) return false;
+  if (a.sizes() != b.sizes() || a.strides() != b.strides() || a.element_size() != b.element_size()) return true;
+  const int64_t bytes = sb.begin - sa.begin;
+  if (bytes % static_cast<int64_t>(a.element_size()) != 0) return true;
+  bool nested = false;
+  const auto dims = nested_dims(a, &nested);
+  return !nested || reachable(bytes / static_cast<int64_t>(a.element_size()), dims, static_cast<int64_t>(dims.size()) - 1);
+}
+
+// Outputs must not overlap themselves (two elements in one place), each other, or any input.
+void check_no_overlap(const char* op, std::initializer_list<Named> outputs, std::initializer_list<Named> inputs) {
+  for (auto out = outputs.begin(); out != outputs.end(); ++out) {
+    bool nested = false;
+    nested_dims(*out->tensor, &nested);
+    TORCH_CHECK(nested, op, ": `", out->name, "` must not have overlapping elements (its strides ",
+                out->tensor->strides(), " map several elements of shape ", out->tensor->sizes(),
+                " to one place, or cannot be shown not to)");
+    for (auto other = std::next(out); other != outputs.end(); ++other) {
+      TORCH_CHECK(!may_overlap(*out->tensor, *other->tensor), op, ": `", out->name, "` and `", other->name,
+                  "` must be distinct tensors that do not overlap in memory");
+    }
+    for (const Named& in : inputs) {
+      if (!in.tensor->defined()) continue;
+      TORCH_CHECK(!may_overlap(*out->tensor, *in.tensor), op, ": output `", out->name, "` must not overlap input `",
+                  in.name, "` in memory");
+    }
   }
 }
 
@@ -49,14 +160,24 @@ void check_index_tensor(const char* op, const char* name, const at::Tensor& t, c
 }
 
 // Scales and amax: float32 of shape [1] (per tensor) or [num_kv_heads] (per KV head).
+enum class Scalars { kScales, kMaxima };
+
 HeadScalars head_scalars(const char* op, const char* name, const at::Tensor& t, int64_t num_kv_heads,
-                         const at::Tensor& device_reference, const char* reference_name) {
+                         const at::Tensor& device_reference, const char* reference_name, Scalars kind) {
   TORCH_CHECK(t.scalar_type() == c10::ScalarType::Float, op, ": `", name, "` must be float32, got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1 && (t.size(0) == 1 || t.size(0) == num_kv_heads), op, ": `", name,
               "` must have shape [1] (per tensor) or [num_kv_heads] = [", num_kv_heads, "] (per KV head), got ",
               t.sizes());
   TORCH_CHECK(t.is_contiguous(), op, ": `", name, "` must be contiguous");
   check_same_device(op, name, t, device_reference, reference_name);
+  if (kind == Scalars::kScales && t.device().is_cpu()) {
+    // Scales on the host are checked here; device scales are the caller's to keep valid (docs/ops.md).
+    const float* values = t.data_ptr<float>();
+    for (int64_t i = 0; i < t.size(0); ++i) {
+      TORCH_CHECK(std::isfinite(values[i]) && values[i] > 0, op, ": `", name, "`[", i, "] = ", values[i],
+                  " must be a finite scale > 0");
+    }
+  }
   return HeadScalars{t.data_ptr<float>(), t.size(0) > 1};
 }
 
@@ -66,6 +187,7 @@ CacheView cache_view(const char* op, const char* name, const at::Tensor& cache) 
   check_last_dim_contiguous(op, name, cache);
   TORCH_CHECK(cache.size(0) > 0 && cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, op, ": `", name,
               "` must have non-empty dimensions, got shape ", cache.sizes());
+  for (int64_t d = 0; d < 4; ++d) check_int32(op, "a cache dimension", cache.size(d));
   return CacheView{cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
 }
 
@@ -85,6 +207,10 @@ void check_key_value(const char* op, const at::Tensor& key, const at::Tensor& va
   TORCH_CHECK(t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Float, op,
               ": `key` must be float16, bfloat16 or float32, got ", t);
   check_last_dim_contiguous(op, "key", key);
+  TORCH_CHECK(key.size(1) > 0 && key.size(2) > 0, op, ": `key` must have num_kv_heads >= 1 and head_size >= 1, got ",
+              "shape ", key.sizes());
+  check_int32(op, "`key` num_kv_heads", key.size(1));
+  check_int32(op, "`key` head_size", key.size(2));
   TORCH_CHECK(value.sizes() == key.sizes(), op, ": `value` must have the shape of `key` ", key.sizes(), ", got ",
               value.sizes());
   TORCH_CHECK(value.scalar_type() == t, op, ": `value` must have the dtype of `key` (", t, "), got ",
@@ -116,8 +242,9 @@ CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& val
   TORCH_CHECK(slot_mapping.size(0) <= key.size(0), op, ": `slot_mapping` has ", slot_mapping.size(0),
               " entries but `key` has only ", key.size(0), " tokens");
   check_same_device(op, "slot_mapping", slot_mapping, key, "key");
-  TORCH_CHECK(key_cache.size(0) <= INT32_MAX && key_cache.size(1) <= INT32_MAX, op,
-              ": sizes beyond int32 are not supported");
+  check_no_overlap(op, {{"key_cache", &key_cache}, {"value_cache", &value_cache}},
+                   {{"key", &key}, {"value", &value}, {"slot_mapping", &slot_mapping}, {"k_scale", &k_scale},
+                    {"v_scale", &v_scale}});
 
   p.key = key.data_ptr();
   p.value = value.data_ptr();
@@ -133,8 +260,8 @@ CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& val
   p.head_size = static_cast<int>(key.size(2));
   p.block_size = static_cast<int>(key_cache.size(1));
   p.num_blocks = static_cast<int>(key_cache.size(0));
-  p.k_scale = head_scalars(op, "k_scale", k_scale, p.num_kv_heads, key, "key");
-  p.v_scale = head_scalars(op, "v_scale", v_scale, p.num_kv_heads, key, "key");
+  p.k_scale = head_scalars(op, "k_scale", k_scale, p.num_kv_heads, key, "key", Scalars::kScales);
+  p.v_scale = head_scalars(op, "v_scale", v_scale, p.num_kv_heads, key, "key", Scalars::kScales);
   return p;
 }
 
@@ -150,6 +277,10 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
   TORCH_CHECK(query_type == c10::ScalarType::Half || query_type == c10::ScalarType::BFloat16, op,
               ": `query` must be float16 or bfloat16, got ", query_type);
   check_last_dim_contiguous(op, "query", query);
+  TORCH_CHECK(query.size(1) > 0 && query.size(2) > 0, op, ": `query` must have num_heads >= 1 and head_size >= 1, ",
+              "got shape ", query.sizes());
+  TORCH_CHECK(query.size(0) <= kMaxInt32 / query.size(1), op, ": `query` has num_query_tokens * num_heads = ",
+              query.size(0), " * ", query.size(1), " rows, beyond the int32 limit ", kMaxInt32);
   TORCH_CHECK(out.sizes() == query.sizes(), op, ": `out` must have the shape of `query` ", query.sizes(), ", got ",
               out.sizes());
   TORCH_CHECK(out.scalar_type() == query_type, op, ": `out` must have the dtype of `query` (", query_type, "), got ",
@@ -178,6 +309,10 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
   check_last_dim_contiguous(op, "block_tables", block_tables);
   check_same_device(op, "block_tables", block_tables, query, "query");
   const int64_t num_seqs = block_tables.size(0);
+  check_int32(op, "`block_tables` num_seqs", num_seqs);
+  TORCH_CHECK(block_tables.size(1) <= kMaxTokensPerSequence / key_cache.size(1), op,
+              ": `block_tables` rows cover max_blocks_per_seq * block_size = ", block_tables.size(1), " * ",
+              key_cache.size(1), " tokens; at most ", kMaxTokensPerSequence, " tokens per sequence are supported");
   check_index_tensor(op, "seq_lens", seq_lens, c10::ScalarType::Int);
   TORCH_CHECK(seq_lens.size(0) == num_seqs, op, ": `seq_lens` must have num_seqs = ", num_seqs,
               " entries (rows of `block_tables`), got ", seq_lens.size(0));
@@ -191,14 +326,18 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
     TORCH_CHECK(query.size(0) == num_seqs, op, ": without `cu_seqlens_q` (decode) `query` must have one row per ",
                 "sequence: ", num_seqs, " rows, got ", query.size(0));
   }
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, op, ": `softmax_scale` must be finite and > 0, got ",
-              softmax_scale);
-  TORCH_CHECK(sliding_window == -1 || sliding_window > 0, op,
-              ": `sliding_window` must be -1 (none) or a positive number of tokens, got ", sliding_window);
-  TORCH_CHECK(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0, op,
-              ": `logits_soft_cap` must be 0 (none) or a finite positive cap, got ", logits_soft_cap);
-  TORCH_CHECK(key_cache.size(0) <= INT32_MAX && query.size(1) <= INT32_MAX && key_cache.size(1) <= INT32_MAX, op,
-              ": sizes beyond int32 are not supported");
+  const float scale32 = positive_float32(op, "softmax_scale", softmax_scale, "");
+  TORCH_CHECK(sliding_window == -1 || (sliding_window > 0 && sliding_window <= kMaxInt32), op,
+              ": `sliding_window` must be -1 (none) or a positive number of tokens up to ", kMaxInt32, ", got ",
+              sliding_window);
+  const float cap32 = logits_soft_cap == 0 ? 0.0f : positive_float32(op, "logits_soft_cap", logits_soft_cap, "0 (none) or ");
+  check_no_overlap(op, {{"out", &out}},
+                   {{"query", &query}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
+                    {"block_tables", &block_tables}, {"seq_lens", &seq_lens},
+                    {"cu_seqlens_q", cu_seqlens_q.has_value() ? &*cu_seqlens_q : &kNoTensor},
+                    {"k_scale", &k_scale}, {"v_scale", &v_scale}});
+  TORCH_CHECK(!may_overlap(key_cache, value_cache), op,
+              ": `key_cache` and `value_cache` must be distinct tensors that do not overlap in memory");
 
   p.out = out.data_ptr();
   p.out_token_stride = out.stride(0);
@@ -220,11 +359,11 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
   p.head_size = static_cast<int>(query.size(2));
   p.block_size = static_cast<int>(key_cache.size(1));
   p.num_blocks = static_cast<int>(key_cache.size(0));
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.k_scale = head_scalars(op, "k_scale", k_scale, num_kv_heads, query, "query");
-  p.v_scale = head_scalars(op, "v_scale", v_scale, num_kv_heads, query, "query");
+  p.softmax_scale = scale32;
+  p.k_scale = head_scalars(op, "k_scale", k_scale, num_kv_heads, query, "query", Scalars::kScales);
+  p.v_scale = head_scalars(op, "v_scale", v_scale, num_kv_heads, query, "query", Scalars::kScales);
   p.sliding_window = static_cast<int>(sliding_window);
-  p.logits_soft_cap = static_cast<float>(logits_soft_cap);
+  p.logits_soft_cap = cap32;
   return p;
 }
 
@@ -243,8 +382,9 @@ AmaxParams amax_params(const at::Tensor& key, const at::Tensor& value, const at:
   p.num_tokens = key.size(0);
   p.num_kv_heads = static_cast<int>(key.size(1));
   p.head_size = static_cast<int>(key.size(2));
-  p.k_amax = head_scalars(op, "k_amax", k_amax, p.num_kv_heads, key, "key");
-  p.v_amax = head_scalars(op, "v_amax", v_amax, p.num_kv_heads, key, "key");
+  p.k_amax = head_scalars(op, "k_amax", k_amax, p.num_kv_heads, key, "key", Scalars::kMaxima);
+  p.v_amax = head_scalars(op, "v_amax", v_amax, p.num_kv_heads, key, "key", Scalars::kMaxima);
+  check_no_overlap(op, {{"k_amax", &k_amax}, {"v_amax", &v_amax}}, {{"key", &key}, {"value", &value}});
   return p;
 }
 

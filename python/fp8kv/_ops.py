@@ -1,7 +1,8 @@
 """Loads fp8kv's compiled operators and registers their fake (meta) kernels.
 
-The ops mutate preallocated outputs and return nothing, so each fake kernel only has to exist:
-shapes of the outputs are the caller's. Validation lives in the C++ bindings, in one place.
+The ops mutate preallocated outputs and return nothing, so a fake kernel computes nothing: shapes of
+the outputs are the caller's, and validation lives in the C++ bindings, in one place. The fakes only
+refuse mixed devices, which would otherwise route a real call to them.
 """
 
 from __future__ import annotations
@@ -32,9 +33,21 @@ LIBRARY_PATH = _find_library()
 torch.ops.load_library(str(LIBRARY_PATH))
 
 
+def _check_one_device(op: str, **tensors) -> None:
+    """A fake kernel runs for meta tensors and while tracing; a real tensor among meta ones would skip
+    every check and write nothing, so mixed devices are refused here as the real kernels refuse them."""
+    present = {name: t for name, t in tensors.items() if t is not None}
+    # The reference is a tensor off the meta device where there is one, so the message names the meta one.
+    ref_name, ref = next(((n, t) for n, t in present.items() if t.device.type != "meta"), next(iter(present.items())))
+    for name, t in present.items():
+        if t.device != ref.device:
+            raise RuntimeError(f"{op}: `{name}` must be on {ref.device} like `{ref_name}`, got {t.device}")
+
+
 @torch.library.register_fake("fp8kv::reshape_and_cache")
 def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
-    return None
+    _check_one_device("fp8kv.reshape_and_cache", key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                      slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 @torch.library.register_fake("fp8kv::paged_attention")
@@ -42,12 +55,14 @@ def _paged_attention_fake(
     out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
     k_scale, v_scale, sliding_window=-1, logits_soft_cap=0.0,
 ) -> None:
-    return None
+    _check_one_device("fp8kv.paged_attention", query=query, out=out, key_cache=key_cache, value_cache=value_cache,
+                      block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, k_scale=k_scale,
+                      v_scale=v_scale)
 
 
 @torch.library.register_fake("fp8kv::kv_amax")
 def _kv_amax_fake(key, value, k_amax, v_amax) -> None:
-    return None
+    _check_one_device("fp8kv.kv_amax", key=key, value=value, k_amax=k_amax, v_amax=v_amax)
 
 
 def has_cuda_kernels() -> bool:
