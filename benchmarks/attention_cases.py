@@ -1,5 +1,6 @@
-"""Paged FP8 caches with random contents, the naive dequantize path, SDPA, and float32 references:
-what the decode and prefill benchmarks share. Everything here runs on CPU as well as CUDA.
+"""Model geometries, paged FP8 caches with random contents, the naive dequantize path, SDPA in each
+of its forms, and float32 references: what the decode and prefill benchmarks share. Everything here
+runs on CPU as well as CUDA.
 
 Data: K and V are N(0, 1) and N(0, 4) after dequantization (codes = clamp(x / scale) in e4m3, with
 power-of-two scales so that dequantizing in bf16 is exact), queries are N(0, 1) in bf16. Block
@@ -10,6 +11,7 @@ produces NaN and fails the correctness check.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -17,6 +19,27 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The attention geometry of one layer of a model (per GPU where it is tensor-parallel)."""
+
+    name: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+
+
+LLAMA3_8B = Model("Llama-3-8B", 32, 8, 128)  # GQA 4
+LLAMA2_7B = Model("Llama-2-7B", 32, 32, 128)  # MHA
+LLAMA3_70B_TP8 = Model("Llama-3-70B TP8", 8, 1, 128)  # 64/8 heads over 8 GPUs: MQA on each
+LLAMA32_1B = Model("Llama-3.2-1B", 32, 8, 64)  # head 64
+GEMMA3_12B = Model("Gemma-3-12B", 16, 8, 256)  # head 256 (a global-attention layer)
+
+def tokens_text(tokens: int) -> str:
+    """4096 -> "4k", for shape labels."""
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
 
 CACHE_DTYPE = torch.float8_e4m3fn
 QUERY_DTYPE = torch.bfloat16
@@ -48,9 +71,8 @@ class PagedCache:
     value_nhd: torch.Tensor
     key_hnd: torch.Tensor
     value_hnd: torch.Tensor
-    block_tables: torch.Tensor  # int32 [batch, blocks_per_seq]
+    block_tables: torch.Tensor  # int32 [batch, max blocks per sequence]
     seq_lens: torch.Tensor  # int32 [batch]
-    seq_len: int  # every sequence has this length
     k_scale: torch.Tensor  # float32 [1]
     v_scale: torch.Tensor
 
@@ -87,10 +109,24 @@ def make_paged_cache(batch: int, seq_len: int, num_kv_heads: int, head_size: int
         key_nhd=key, value_nhd=value, key_hnd=hnd_storage(key), value_hnd=hnd_storage(value),
         block_tables=block_tables,
         seq_lens=torch.full((batch,), seq_len, dtype=torch.int32, device=device),
-        seq_len=seq_len,
         k_scale=torch.tensor([K_SCALE], dtype=torch.float32, device=device),
         v_scale=torch.tensor([V_SCALE], dtype=torch.float32, device=device),
     )
+
+
+def concatenate_caches(caches: list[PagedCache]) -> PagedCache:
+    """One cache holding the sequences of several (a mixed batch): blocks appended in order, block
+    tables offset to them and padded with block 0 past each sequence's last page (never read)."""
+    offsets = [0]
+    for cache in caches[:-1]:
+        offsets.append(offsets[-1] + cache.key_nhd.shape[0])
+    width = max(cache.block_tables.shape[1] for cache in caches)
+    tables = [F.pad(cache.block_tables + offset, (0, width - cache.block_tables.shape[1]))
+              for cache, offset in zip(caches, offsets)]
+    key, value = (torch.cat([getattr(c, name) for c in caches]) for name in ("key_nhd", "value_nhd"))
+    return PagedCache(key_nhd=key, value_nhd=value, key_hnd=hnd_storage(key), value_hnd=hnd_storage(value),
+                      block_tables=torch.cat(tables), seq_lens=torch.cat([c.seq_lens for c in caches]),
+                      k_scale=caches[0].k_scale, v_scale=caches[0].v_scale)
 
 
 def gather_dequantize(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int,
@@ -114,12 +150,38 @@ def bf16_paged_cache(cache: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-                 "math": SDPBackend.MATH}
+                 "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH,
+                 "default": None}  # None: torch's own choice among the backends
+
+
+@dataclasses.dataclass(frozen=True)
+class SdpaForm:
+    """One way to call scaled_dot_product_attention on GQA K/V: a backend, and either enable_gqa over
+    [B, Hkv, L, D] K/V or K/V expanded to the query heads (repeat_interleave) beforehand."""
+
+    backend: str
+    expanded: bool
+
+    @property
+    def name(self) -> str:
+        return f"SDPA {self.backend} {'expanded' if self.expanded else 'enable_gqa'}"
+
+
+def sdpa_forms(num_heads: int, num_kv_heads: int, backends=("flash", "efficient", "cudnn", "default")) -> list[SdpaForm]:
+    """The candidate forms; expanded K/V only where they differ from the K/V (GQA, MQA)."""
+    expansions = (False, True) if num_heads != num_kv_heads else (False,)
+    return [SdpaForm(backend, expanded) for backend in backends for expanded in expansions]
+
+
+def expand_heads(kv: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[B, Hkv, L, D] K or V repeated to [B, Hq, L, D] (query head h reads KV head h // group)."""
+    return kv.repeat_interleave(num_heads // kv.shape[1], dim=1)
 
 
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, softmax_scale: float,
          backend: str) -> torch.Tensor:
-    """Causal (aligned to the end of the keys) attention with one SDPA backend, no fallback.
+    """Causal (aligned to the end of the keys) attention with one SDPA backend, no fallback
+    ("default": torch's dispatch).
 
     query [B, Hq, Lq, D], key/value [B, Hkv, L, D]; Lq = 1 is decode."""
     q_len, kv_len = query.shape[-2], key.shape[-2]
@@ -129,21 +191,9 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, softmax_sc
         mask, is_causal = None, True
     else:
         mask, is_causal = causal_lower_right(q_len, kv_len), False
-    with sdpa_kernel([SDPA_BACKENDS[backend]]):
+    with sdpa_kernel([SDPA_BACKENDS[backend]]) if SDPA_BACKENDS[backend] else contextlib.nullcontext():
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal,
                                               scale=softmax_scale, enable_gqa=query.shape[1] != key.shape[1])
-
-
-def first_working_sdpa_backend(query, key, value, softmax_scale, candidates=("flash", "efficient")) -> str:
-    """The first backend, in order, that runs this problem; raises naming each backend's refusal."""
-    refusals = []
-    for backend in candidates:
-        try:
-            sdpa(query, key, value, softmax_scale, backend)
-            return backend
-        except RuntimeError as exc:
-            refusals.append(f"{backend}: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}")
-    raise RuntimeError("no SDPA backend runs this problem (" + "; ".join(refusals) + ")")
 
 
 def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

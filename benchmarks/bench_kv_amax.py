@@ -1,56 +1,57 @@
-"""Calibration maxima (issue 3): fp8kv's kv_amax against PyTorch's one-pass inf-norm reduction.
+"""Calibration maxima: fp8kv's kv_amax against PyTorch's one-pass inf-norm reduction.
 
-bf16 K and V of 8 KV heads, contiguous or sliced out of a fused QKV tensor (32 query heads), per
-tensor ([1] maxima) and per KV head ([num_kv_heads] maxima). Each column's maxima are compared once
-with max(|x|) computed by PyTorch (exact: a maximum has no rounding) before timing.
+bf16 K and V of Llama-3-8B (8 KV heads of 128), contiguous or sliced out of a fused QKV tensor (32
+query heads), per tensor ([1] maxima) and per KV head ([num_kv_heads] maxima). Each column's maxima
+are compared with max(|x|) computed by PyTorch (exact: a maximum has no rounding) before timing.
+Every column runs as a plain launch and replayed from a CUDA graph.
 
-Bandwidth = K and V bytes read / median time. Target (issue 3): >= 2.0 TB/s.
+Bandwidth = K and V bytes read / time. Target (judged on fp8kv's CUDA-graph time): >= 2/3 of the
+read-only bandwidth measured in the same run, i.e. ~2.0 TB/s on an H100.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 
 import torch
 
+import attention_cases as cases
 import common
 
-TARGET_BW = 2.0e12
-QUERY_HEADS_IN_FUSED_QKV = 32
+TARGET_READ_FRACTION = 2 / 3
+FP8KV_COLUMN, TORCH_COLUMN = "fp8kv", "torch inf-norm"
 
 
 @dataclasses.dataclass(frozen=True)
 class AmaxShape:
     tokens: int
     per_head: bool
-    num_kv_heads: int = 8
-    head_size: int = 128
-    fused_qkv: bool = False
+    model: cases.Model = cases.LLAMA3_8B
+    fused_qkv: bool = False  # K and V are slices of one [tokens, Hq + 2 Hkv, D] projection output
 
     @property
     def label(self) -> str:
-        granularity = "per-head" if self.per_head else "per-tensor"
-        source = " qkv-slices" if self.fused_qkv else ""
-        return f"N{self.tokens} h{self.num_kv_heads} d{self.head_size} {granularity}{source}"
+        granularity = "per head" if self.per_head else "per tensor"
+        source = " from fused QKV" if self.fused_qkv else ""
+        return f"{self.model.name} amax {cases.tokens_text(self.tokens)} tokens {granularity}{source}"
 
     @property
     def bytes_read(self) -> int:
-        return 2 * self.tokens * self.num_kv_heads * self.head_size * 2  # K and V, bf16
+        return 2 * self.tokens * self.model.num_kv_heads * self.model.head_size * 2  # K and V, bf16
 
 
-def issue_shapes() -> list[AmaxShape]:
+def default_shapes() -> list[AmaxShape]:
     shapes = [AmaxShape(n, per_head) for n in (16384, 262144) for per_head in (False, True)]
     return shapes + [AmaxShape(262144, True, fused_qkv=True)]
 
 
 def make_inputs(shape: AmaxShape, device: torch.device, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator(device).manual_seed(seed)
-    h, d, n = shape.num_kv_heads, shape.head_size, shape.tokens
+    hq, h, d, n = shape.model.num_heads, shape.model.num_kv_heads, shape.model.head_size, shape.tokens
     if shape.fused_qkv:
-        qkv = torch.randn(n, QUERY_HEADS_IN_FUSED_QKV + 2 * h, d, generator=gen, device=device).to(torch.bfloat16)
-        return qkv[:, QUERY_HEADS_IN_FUSED_QKV:-h], qkv[:, -h:]
+        qkv = torch.randn(n, hq + 2 * h, d, generator=gen, device=device).to(torch.bfloat16)
+        return qkv[:, hq:-h], qkv[:, -h:]
     return tuple(torch.randn(n, h, d, generator=gen, device=device).to(torch.bfloat16) for _ in range(2))
 
 
@@ -61,61 +62,67 @@ def torch_amax(x: torch.Tensor, per_head: bool) -> torch.Tensor:
     return torch.linalg.vector_norm(x, ord=float("inf"), dtype=torch.float32).reshape(1)
 
 
-def exact_check(expected: tuple[torch.Tensor, torch.Tensor]):
-    def check(got):
-        return {"exact": all(bool(torch.equal(g, e)) for g, e in zip(got, expected))}
-    return check
+def exact_check(expected: tuple[torch.Tensor, torch.Tensor], maxima: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """A check that the maxima equal `expected`: the call's output, or the given running-maximum
+    buffers (fp8kv folds into them, so they are not an output to poison with NaN between replays)."""
+    return lambda output: {"exact": all(bool(torch.equal(g, e)) for g, e in zip(maxima or output, expected))}
 
 
 def measure_shape(shape: AmaxShape, ops, ops_reason: str, device, flush, seed: int) -> dict:
     key, value = make_inputs(shape, device, seed)
     expected = (torch_amax(key, shape.per_head), torch_amax(value, shape.per_head))
-    count = shape.num_kv_heads if shape.per_head else 1
+    count = shape.model.num_kv_heads if shape.per_head else 1
+    k_amax, v_amax = (torch.zeros(count, dtype=torch.float32, device=device) for _ in range(2))
 
     def fp8kv(info):
         if ops is None:
             raise RuntimeError(ops_reason)
-        k_amax, v_amax = (torch.zeros(count, dtype=torch.float32, device=device) for _ in range(2))
+        # kv_amax folds into the running maxima (zeros here): repeating the call is idempotent.
+        return lambda: ops.kv_amax(key, value, k_amax, v_amax)
 
-        def run():
-            ops.kv_amax(key, value, k_amax, v_amax)  # folds into the running maxima: idempotent here
-            return k_amax, v_amax
-        return run
+    def torch_path():
+        return torch_amax(key, shape.per_head), torch_amax(value, shape.per_head)
 
-    results = {
-        "fp8kv": common.measure(fp8kv, exact_check(expected), flush),
-        "torch inf-norm": common.measure(
-            lambda info: lambda: (torch_amax(key, shape.per_head), torch_amax(value, shape.per_head)),
-            exact_check(expected), flush),
-    }
-    for info in results.values():
-        if "median_us" in info:
-            info["eff_tb_s"] = shape.bytes_read / (info["median_us"] * 1e-6) / common.TB
-    del key, value
-    gc.collect()
-    torch.cuda.empty_cache()
+    results = {FP8KV_COLUMN: common.measure(fp8kv, exact_check(expected, (k_amax, v_amax)), flush),
+               TORCH_COLUMN: common.measure(lambda info: torch_path, exact_check(expected), flush)}
+    for column in results.values():
+        common.add_rate(column, shape.bytes_read, "eff_tb_s", common.TB)
     return {"label": shape.label, "shape": dataclasses.asdict(shape), "bytes": shape.bytes_read, "columns": results}
 
 
+def summarize_row(row: dict, ceilings: dict) -> dict:
+    cols = row["columns"]
+    us = common.graph_us(cols[FP8KV_COLUMN])
+    if us is None:
+        return {}
+    tb_s = row["bytes"] / (us * 1e-6) / common.TB
+    summary = {"fp8kv_launch_us": cols[FP8KV_COLUMN]["median_us"], "fp8kv_graph_us": us, "fp8kv_tb_s": tb_s,
+               "fraction_of_read": tb_s / ceilings["read_tb_s"],
+               "exact": cols[FP8KV_COLUMN]["exact"] and cols[FP8KV_COLUMN]["graph"]["exact"]}
+    torch_us = common.best_us(cols[TORCH_COLUMN])
+    if torch_us:
+        summary["vs_torch"] = us / torch_us
+    return summary
+
+
 def evaluate_targets(row: dict) -> dict[str, bool | None]:
-    col = row["columns"]["fp8kv"]
-    if "median_us" not in col:
-        return {">=2.0TB/s": None, "exact": None}
-    return {">=2.0TB/s": col["eff_tb_s"] * common.TB >= TARGET_BW, "exact": col["exact"]}
+    s = row["summary"]
+    fraction, exact = s.get("fraction_of_read"), s.get("exact")
+    return {f">={TARGET_READ_FRACTION:.0%}read": common.judge(lambda: fraction >= TARGET_READ_FRACTION, fraction),
+            "exact": common.judge(lambda: exact, exact)}
 
 
-def table(rows: list[dict], read_tb_s: float) -> str:
-    headers = ["shape", "MB read", "fp8kv us", "torch us", "TB/s", "%read", "xtorch", "targets"]
+def table(rows: list[dict]) -> str:
+    headers = ["shape", "MB read", "fp8kv us", "graph us", "torch us", "TB/s", "%read", "xtorch", "targets"]
     body = []
     for row in rows:
-        fp8kv, ref = row["columns"]["fp8kv"], row["columns"]["torch inf-norm"]
-        bw = fp8kv.get("eff_tb_s")
-        ratio = fp8kv["median_us"] / ref["median_us"] if "median_us" in fp8kv and "median_us" in ref else None
+        cols, s = row["columns"], row["summary"]
         body.append([
-            row["label"], f"{row['bytes'] / 1e6:.0f}", common.fmt(fp8kv.get("median_us")),
-            common.fmt(ref.get("median_us")), common.fmt(bw, 2),
-            common.fmt(100 * bw / read_tb_s if bw else None, 0), common.fmt(ratio, 2),
-            " ".join(f"{k}:{common.verdict(v)}" for k, v in row["targets"].items()),
+            row["label"], f"{row['bytes'] / 1e6:.0f}", common.fmt(cols[FP8KV_COLUMN].get("median_us")),
+            common.fmt(s.get("fp8kv_graph_us")), common.fmt(common.best_us(cols[TORCH_COLUMN])),
+            common.fmt(s.get("fp8kv_tb_s"), 2),
+            common.fmt(100 * s["fraction_of_read"] if "fraction_of_read" in s else None, 0),
+            common.fmt(s.get("vs_torch"), 2), common.targets_text(row["targets"]),
         ])
     return common.format_table(headers, body)
 
@@ -124,28 +131,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_arguments(parser)
     args = parser.parse_args()
-    shapes = common.select_shapes(issue_shapes()[2:4] if args.quick else issue_shapes(), args.shapes)
+    shapes = common.select_shapes(default_shapes()[2:4] if args.quick else default_shapes(), args.shapes)
     device = common.cuda_device_or_exit()
     ops, ops_reason = common.load_fp8kv()
     print(f"fp8kv: {ops_reason}")
     flush = common.L2Flush(device)
     ceilings = common.measure_ceilings(device, flush).as_dict()
+    print(f"device read-only sum {ceilings['read_tb_s']:.2f} TB/s, copy {ceilings['copy_tb_s']:.2f} TB/s")
     rows = []
     for index, shape in enumerate(shapes):
         row = measure_shape(shape, ops, ops_reason, device, flush, seed=300 + index)
+        common.release_memory()
+        row["summary"] = summarize_row(row, ceilings)
         row["targets"] = evaluate_targets(row)
         rows.append(row)
-    print(f"device read-only sum {ceilings['read_tb_s']:.2f} TB/s, copy {ceilings['copy_tb_s']:.2f} TB/s")
-    print(table(rows, ceilings["read_tb_s"]))
-    for row in rows:
-        for name, col in row["columns"].items():
-            if "error" in col:
-                print(f"  {row['label']} / {name}: {col['error']}")
+    print(table(rows))
+    print(common.errors_text(rows))
     payload = common.run_header("kv_amax", device) | {
         "ceilings": ceilings, "fp8kv": ops_reason, "rows": rows,
         "plot": {"metric": "eff_tb_s", "ylabel": "bytes read / time (TB/s)",
-                 "lines": {"read": ceilings["read_tb_s"], "target 2.0": TARGET_BW / common.TB},
-                 "series": [["fp8kv", "fp8kv"], ["torch inf-norm", "torch inf-norm"]]},
+                 "lines": {"read": ceilings["read_tb_s"],
+                           f"{TARGET_READ_FRACTION:.0%} of read": TARGET_READ_FRACTION * ceilings["read_tb_s"]},
+                 "series": [[FP8KV_COLUMN, FP8KV_COLUMN], [TORCH_COLUMN, TORCH_COLUMN]]},
     }
     common.write_outputs(payload, args)
 

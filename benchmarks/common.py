@@ -1,16 +1,19 @@
-"""Shared benchmark machinery: GPU timing with an L2 flush, the device's bandwidth ceilings, output.
+"""Shared benchmark machinery: GPU timing with an L2 flush, CUDA-graph replays, the device's bandwidth
+ceilings, tables and output files.
 
-Timing follows the device README's method: warm up, then time each repetition with CUDA events
-around the work alone, flushing L2 before every repetition by writing a buffer several times its
-size, and report the median. A short GPU sleep is queued first so that the host enqueues every
-repetition before the GPU reaches it; host-side Python overhead (FlashInfer's run(), argument checks)
-then never shows up as GPU idle time between the two events.
+Timing: warm up, then time each repetition with CUDA events around the work alone, evicting L2
+before every repetition by reading a buffer several times its size, and report the median. A short
+GPU sleep is queued first so that the host enqueues every repetition before the GPU reaches it;
+host-side Python (argument checks, FlashInfer's run()) then never shows up as GPU idle time between
+the two events. A column is timed twice: as a plain launch, and replayed from a CUDA graph that
+captured the same call (the kernel without the launch path's cost).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import pathlib
@@ -42,15 +45,20 @@ class Timing:
 
 
 class L2Flush:
-    """Evicts L2 by writing a buffer of max(4 x L2, 256 MiB)."""
+    """Evicts L2 by reading a buffer of max(4 x L2, 256 MiB).
+
+    A read, not a write: a written buffer leaves up to a whole L2 of dirty lines, whose write-back
+    then competes with the timed call for DRAM bandwidth (on an H100 a contiguous read measured 2.87
+    TB/s after a memset flush and 3.06 TB/s after a read-only one)."""
 
     def __init__(self, device: torch.device):
         l2_bytes = torch.cuda.get_device_properties(device).L2_cache_size
         self.nbytes = max(4 * l2_bytes, 256 << 20)
-        self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self._buffer = torch.zeros(self.nbytes // 4, dtype=torch.float32, device=device)
+        self._sum = torch.empty((), dtype=torch.float32, device=device)
 
     def __call__(self) -> None:
-        self._buffer.fill_(0x5A)
+        torch.sum(self._buffer, dim=0, out=self._sum)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -94,6 +102,44 @@ def benchmark(fn: Callable[[], object], flush: L2Flush, *, warmup: int = 3, reps
     return summarize(_timed_runs(fn, flush, reps))
 
 
+def capture_graph(fn: Callable[[], object]) -> Callable[[], object]:
+    """A callable that replays fn() from a CUDA graph and returns the output of the captured call
+    (the same tensors at every replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = fn()
+    torch.cuda.synchronize()
+
+    def replay():
+        graph.replay()
+        return output
+    return replay
+
+
+POISON_BYTE = 0x55
+
+
+def poison_outputs(output: object) -> None:
+    """Overwrites the tensors of an output (a tensor, or a tuple or list of them) so that a call which
+    does not write them fails the next check: NaN in 16- and 32-bit floats, POISON_BYTE in every
+    byte of 8-bit tensors (FP8 caches). An output of None is left to the check to read."""
+    tensors = output if isinstance(output, (tuple, list)) else [output]
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        if tensor.element_size() == 1:
+            tensor.view(torch.uint8).fill_(POISON_BYTE)
+        elif tensor.is_floating_point():
+            tensor.fill_(float("nan"))
+        else:
+            raise TypeError(f"cannot poison a {tensor.dtype} output")
+
+
 @dataclasses.dataclass(frozen=True)
 class Ceilings:
     """Measured memory bandwidth of the device, bytes per second."""
@@ -105,15 +151,31 @@ class Ceilings:
         return {"copy_tb_s": self.copy_bytes_per_s / TB, "read_tb_s": self.read_bytes_per_s / TB}
 
 
-def measure_ceilings(device: torch.device, flush: L2Flush, nbytes: int = BANDWIDTH_PROBE_BYTES) -> Ceilings:
+def measure_ceilings(device: torch.device, flush: L2Flush, nbytes: int | None = None) -> Ceilings:
+    """Copy and read-only bandwidth over BANDWIDTH_PROBE_BYTES, each the faster of its plain launches
+    and graph replays (as the columns compared with them)."""
+    nbytes = nbytes or BANDWIDTH_PROBE_BYTES
+    return Ceilings(2 * nbytes / (copy_us(nbytes, device, flush) * 1e-6),
+                    nbytes / (read_us(nbytes, device, flush) * 1e-6))
+
+
+def copy_us(nbytes: int, device: torch.device, flush: L2Flush) -> float:
     source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    copy = benchmark(lambda: target.copy_(source), flush)
-    del source, target
+    return fastest_us(lambda: target.copy_(source), flush)
+
+
+def read_us(nbytes: int, device: torch.device, flush: L2Flush) -> float:
     values = torch.rand(nbytes // 4, dtype=torch.float32, device=device)
     total = torch.empty((), dtype=torch.float32, device=device)
-    read = benchmark(lambda: torch.sum(values, dim=0, out=total), flush)
-    return Ceilings(2 * nbytes / (copy.median_us * 1e-6), nbytes / (read.median_us * 1e-6))
+    return fastest_us(lambda: torch.sum(values, dim=0, out=total), flush)
+
+
+def fastest_us(fn: Callable[[], object], flush: L2Flush) -> float:
+    column = measure(lambda info: fn, lambda output: {}, flush)
+    if best_us(column) is None:
+        raise RuntimeError(f"timing failed: {column['error']}")
+    return best_us(column)
 
 
 def device_info(device: torch.device) -> dict:
@@ -138,12 +200,16 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(out64 - ref64) / torch.linalg.vector_norm(ref64))
 
 
-def measure(build: Callable[[dict], Callable[[], object]], check: Callable[[object], dict], flush: L2Flush) -> dict:
-    """Builds one column, checks its output once, then times it.
+def measure(build: Callable[[dict], Callable[[], object]], check: Callable[[object], dict], flush: L2Flush,
+            *, graph: bool = True) -> dict:
+    """Builds one column, checks its output, then times it as a plain launch and (graph=True)
+    replayed from a CUDA graph.
 
     build(info) returns the callable to time and may record facts in info (a backend, a setup
-    time); check(output of the first call) returns correctness facts (an error, mismatch counts).
-    A column that cannot run gets {"error": ...}; the caller's other columns still run."""
+    time); check(output of a call) returns correctness facts (an error, mismatch counts). The graph
+    is checked too, after its floating-point outputs are poisoned (poison_outputs). A column that
+    cannot run gets {"error": ...}, a graph that cannot be captured {"graph": {"error": ...}}; the
+    caller's other columns still run. Times used for comparisons: best_us()."""
     info: dict = {}
     try:
         run = build(info)
@@ -151,7 +217,49 @@ def measure(build: Callable[[dict], Callable[[], object]], check: Callable[[obje
         info.update(benchmark(run, flush).as_dict())
     except Exception as exc:  # reported in the table and the JSON, never fatal
         info["error"] = error_text(exc)
+        return info
+    if graph:
+        info["graph"] = measure_graph(run, check, flush)
     return info
+
+
+def measure_graph(run: Callable[[], object], check: Callable[[object], dict], flush: L2Flush) -> dict:
+    try:
+        replay = capture_graph(run)
+        poison_outputs(replay())  # the outputs the graph writes, poisoned before the checked replay
+        return check(replay()) | benchmark(replay, flush).as_dict()
+    except Exception as exc:  # e.g. a host synchronization inside the call: not capturable
+        return {"error": error_text(exc)}
+
+
+def graph_us(column: dict) -> float | None:
+    """Median time of a column's CUDA-graph replays, None when it was not timed."""
+    return column.get("graph", {}).get("median_us")
+
+
+def best_us(column: dict) -> float | None:
+    """The faster of a column's plain-launch and graph-replay medians (None when neither ran)."""
+    times = [t for t in (column.get("median_us"), graph_us(column)) if t is not None]
+    return min(times) if times else None
+
+
+def add_rate(column: dict, amount: float, key: str, unit: float) -> None:
+    """Adds key = amount / time / unit to each timing of a column (its launch and its graph), e.g.
+    bytes -> TB/s with unit=TB."""
+    for timing in (column, column.get("graph", {})):
+        if "median_us" in timing:
+            timing[key] = amount / (timing["median_us"] * 1e-6) / unit
+
+
+def fastest(columns: dict, names: Iterable[str], time_of: Callable[[dict], float | None] = best_us) -> str | None:
+    """The name of the fastest column among names (by time_of), None when none of them ran."""
+    timed = [n for n in names if n in columns and time_of(columns[n]) is not None]
+    return min(timed, key=lambda n: time_of(columns[n])) if timed else None
+
+
+def worst_rel_err(column: dict) -> float:
+    """The larger relative error of a column's launch and graph outputs (inf when it did not run)."""
+    return max(column.get("rel_err", float("inf")), column.get("graph", {}).get("rel_err", 0.0))
 
 
 def rel_err_check(reference: torch.Tensor, to_reference: Callable[[torch.Tensor], torch.Tensor] = lambda out: out):
@@ -204,6 +312,27 @@ def verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("PASS" if ok else "MISS")
 
 
+def judge(condition: Callable[[], bool], *values) -> bool | None:
+    """condition() when every value it needs was measured, else None (reported as n/a)."""
+    return None if any(v is None for v in values) else bool(condition())
+
+
+def targets_text(targets: dict[str, bool | None]) -> str:
+    return " ".join(f"{name}:{verdict(ok)}" for name, ok in targets.items())
+
+
+def errors_text(rows: list[dict]) -> str:
+    """Every column (or its graph) that did not run, with the reason; empty when all ran."""
+    lines = []
+    for row in rows:
+        for name, column in row["columns"].items():
+            if "error" in column:
+                lines.append(f"  {row['label']} / {name}: {column['error']}")
+            elif "error" in column.get("graph", {}):
+                lines.append(f"  {row['label']} / {name} (CUDA graph): {column['graph']['error']}")
+    return "columns that did not run:\n" + "\n".join(lines) if lines else ""
+
+
 def write_outputs(payload: dict, args: argparse.Namespace) -> None:
     """Writes the JSON and the PNG asked for on the command line."""
     if args.json:
@@ -236,6 +365,12 @@ def load_fp8kv(require_cuda: bool = True):
     if require_cuda and not fp8kv.has_cuda_kernels():
         return None, "fp8kv was built without CUDA kernels (build with FP8KV_CUDA=1)"
     return fp8kv.ops, f"fp8kv {fp8kv.__version__} from {pathlib.Path(fp8kv.__file__).parent}"
+
+
+def release_memory() -> None:
+    """Frees what a finished shape held (reference cycles included) and returns it to the device."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def cuda_device_or_exit() -> torch.device:

@@ -1,10 +1,11 @@
 """FlashInfer's FP8 paged attention, isolated so that a missing or broken FlashInfer only disables
-its benchmark column, with the exact reason, and never stops the run.
+its benchmark columns, with the exact reason, and never stops the run.
 
-The GPU machine has no network: FlashInfer comes from the trimmed wheel in `.whl/` (made by
-benchmarks/flashinfer_wheel.py), which holds ahead-of-time sm_90a builds of the kernels used here
-(bf16 query over an e4m3 cache, bf16 output, head sizes 64/128/256, no RoPE / window / soft cap)
-and the sources to JIT-compile anything else. JIT output goes under /tmp (FLASHINFER_WORKSPACE_BASE).
+FlashInfer is optional: `pip install flashinfer-python` where the network allows (it JIT-compiles
+each kernel at first use), or the trimmed wheel that benchmarks/flashinfer_wheel.py builds with the
+kernels used here compiled ahead of time for sm_90a (bf16 query over an e4m3 cache, bf16 output,
+head sizes 64/128/256, no RoPE / window / soft cap), for machines without network. JIT output goes
+under /tmp/flashinfer-workspace (FLASHINFER_WORKSPACE_BASE).
 
 Used here:
 - decode: BatchDecodeWithPagedKVCacheWrapper, backend "fa2", with its CUDA-core decode kernel

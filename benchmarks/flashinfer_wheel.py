@@ -1,8 +1,9 @@
-"""Builds the small FlashInfer wheel that the GPU machine carries (run here, not on the GPU).
+"""Builds a small FlashInfer wheel with the benchmarks' kernels compiled ahead of time, for a GPU
+machine without network access (build it on any x86-64 machine with nvcc; no GPU needed).
 
-The GPU machine has no network, and the published flashinfer-python wheel (62 MB) nearly fills the
-64 MiB that a call may carry. It also JIT-compiles every kernel at first use, which costs device
-time. This tool makes a wheel that holds only what the FP8 baseline needs:
+The published flashinfer-python wheel (62 MB) JIT-compiles every kernel at first use, which needs
+its CUDA sources and a few minutes of nvcc per kernel. This tool makes a wheel that holds only what
+the FP8 baseline needs:
 
 - the Python modules reachable by import from `flashinfer`, `flashinfer.decode` and
   `flashinfer.prefill` (an AST scan that follows function-level imports too);
@@ -13,8 +14,9 @@ time. This tool makes a wheel that holds only what the FP8 baseline needs:
   e4m3 cache with bf16 output, for the CUDA-core decode kernel and the FA2 tensor-core kernel that
   serves both prefill and tensor-core decode, at each head size.
 
-Usage (needs nvcc 13.0 and g++ here; the wheel's own runtime dependency apache-tvm-ffi must be
-importable by this Python, e.g. `pip install --target /tmp/fi-host apache-tvm-ffi==0.1.15.post2`):
+Usage (needs nvcc 13.0, g++ and torch on the building machine; the wheel's own runtime dependency
+apache-tvm-ffi must be importable by this Python, e.g.
+`pip install --target /tmp/fi-host apache-tvm-ffi==0.1.15.post2`):
 
     python -m pip download --no-deps flashinfer-python==0.7.2.post1 -d /tmp/fi
     PYTHONPATH=/tmp/fi-host python benchmarks/flashinfer_wheel.py \
@@ -150,7 +152,7 @@ def record_line(arcname: str, data: bytes) -> str:
 
 
 def write_wheel(root: pathlib.Path, files: list[pathlib.Path], out_dir: pathlib.Path) -> pathlib.Path:
-    """Writes the selected files plus a dist-info whose version carries LOCAL_VERSION."""
+    """Writes the selected files plus a dist-info whose version ends in "+LOCAL_VERSION"."""
     (old_info,) = root.glob("flashinfer_python-*.dist-info")
     version = old_info.name[len("flashinfer_python-"): -len(".dist-info")]
     new_version = f"{version}+{LOCAL_VERSION}"

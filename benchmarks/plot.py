@@ -1,12 +1,13 @@
 """Draws a benchmark's JSON as a PNG: grouped bars of its metric per shape, with the measured
-ceilings and targets as horizontal lines, and (when the JSON names a baseline column) a second
-panel of time relative to that baseline.
+ceilings and targets as horizontal lines, and (when the JSON names a baseline) a second panel of
+time relative to that baseline.
 
     python benchmarks/plot.py results.json [--png results.png]
 
-The JSON's "plot" entry says what to draw: metric (a column key), ylabel, lines {name: value},
-series [[legend label, source]] where source is a column name or "@key" for the column named by
-row["summary"][key], and optionally relative_to (a column name).
+The JSON's "plot" entry says what to draw: metric (a rate, higher is faster, e.g. eff_tb_s), ylabel,
+lines {name: value}, series [[legend label, source]] where source is a column name or "@key" for the
+column named by row["summary"][key], and optionally relative_to [label, source]. A column's value
+is taken at its faster timing: plain launch or CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -23,8 +24,14 @@ def column_of(row: dict, source: str) -> dict:
     return row["columns"].get(source, {})
 
 
-def series_values(rows: list[dict], source: str, key: str) -> list[float]:
-    return [column_of(row, source).get(key, float("nan")) for row in rows]
+def best_value(column: dict, key: str, better=max) -> float:
+    """The better of a column's launch and graph values of key (NaN when neither was measured)."""
+    values = [t[key] for t in (column, column.get("graph", {})) if key in t]
+    return better(values) if values else float("nan")
+
+
+def series_values(rows: list[dict], source: str, key: str, better=max) -> list[float]:
+    return [best_value(column_of(row, source), key, better) for row in rows]
 
 
 def draw_bars(ax, labels: list[str], series: dict[str, list[float]]) -> None:
@@ -57,14 +64,15 @@ def plot_results(payload: dict, png: pathlib.Path) -> None:
     ax.set_title(f"{payload['benchmark']} on {device}")
     ax.legend(fontsize=7, ncol=2)
     if relative_to:
-        base = series_values(rows, relative_to, "median_us")
-        ratios = {label: [t / b for t, b in zip(series_values(rows, source, "median_us"), base)]
+        base_label, base_source = relative_to
+        base = series_values(rows, base_source, "median_us", min)
+        ratios = {label: [t / b for t, b in zip(series_values(rows, source, "median_us", min), base)]
                   for label, source in spec["series"]}
         ax = axes[1][0]
         draw_bars(ax, labels, ratios)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_yscale("log")  # the naive path can be 10x slower while the target ratio is ~0.5
-        ax.set_ylabel(f"time / {relative_to} time (log; lower is faster)")
+        ax.set_ylabel(f"time / {base_label} time (log; lower is faster)")
         ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(png, dpi=120)

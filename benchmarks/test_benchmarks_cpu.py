@@ -1,0 +1,703 @@
+"""CPU tests of the benchmark scripts: everything that does not need a GPU.
+
+    python -m pytest -q benchmarks/test_benchmarks_cpu.py
+
+Covered: shape tables and byte/FLOP counts (against independent arithmetic and brute-force sums),
+the random paged caches (poisoned tails, HND storage, gathers, mixed batches), the float32 reference
+(against a float64 loop), SDPA in each form with its causal alignment, the column glue run through
+fp8kv's CPU kernels (attention within tolerance, cache bytes identical to the PyTorch quantize path,
+maxima exact), the measuring harness (failures recorded per column, graph outputs poisoned and
+checked), FlashInfer's page description, PASS/MISS judgement on synthetic rows, JSON + PNG output,
+and whole runs of every benchmark's main() with CUDA's timing calls replaced by host clocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import pathlib
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import attention_cases as cases  # noqa: E402
+import bench_kv_amax as amax  # noqa: E402
+import bench_paged_attention as decode  # noqa: E402
+import bench_prefill as prefill  # noqa: E402
+import bench_reshape_and_cache as write  # noqa: E402
+import common  # noqa: E402
+import flashinfer_baseline  # noqa: E402
+
+CPU = torch.device("cpu")
+MiB = 1 << 20
+TINY = cases.Model("tiny GQA", 4, 2, 32)
+ops, ops_reason = common.load_fp8kv(require_cuda=False)
+needs_fp8kv = pytest.mark.skipif(ops is None, reason=ops_reason)
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+needs_matplotlib = pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed (the PNG output needs it)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes and counts
+# ---------------------------------------------------------------------------------------------
+
+def test_models_have_their_published_geometry():
+    geometry = {m.name: (m.num_heads, m.num_kv_heads, m.head_size) for m in (
+        cases.LLAMA3_8B, cases.LLAMA2_7B, cases.LLAMA3_70B_TP8, cases.LLAMA32_1B, cases.GEMMA3_12B)}
+    assert geometry == {"Llama-3-8B": (32, 8, 128), "Llama-2-7B": (32, 32, 128), "Llama-3-70B TP8": (64 // 8, 8 // 8, 128),
+                        "Llama-3.2-1B": (32, 8, 64), "Gemma-3-12B": (16, 8, 256)}
+
+
+def test_decode_shapes():
+    shapes = decode.default_shapes()
+    labels = [s.label for s in shapes]
+    assert len(labels) == len(set(labels)) == 7 * 2 + 4
+    assert "Llama-3-8B decode B64 x 4k" in labels and "Llama-3-8B decode B1 x 128k bs64" in labels
+    llama3 = {(s.batch, s.context) for s in shapes if s.model == cases.LLAMA3_8B and s.block_size == 16}
+    assert llama3 == {(1, 32768), (1, 131072), (16, 4096), (64, 4096), (16, 16384), (128, 2048), (256, 1024)}
+    others = [s for s in shapes if s.model != cases.LLAMA3_8B]
+    assert {s.model.name for s in others} == {"Llama-2-7B", "Llama-3-70B TP8", "Llama-3.2-1B", "Gemma-3-12B"}
+    assert all((s.batch, s.context) == (64, 4096) for s in others)
+
+
+# FP8 K+V bytes = 2 (K and V) x batch x KV heads x context x head size, in MiB.
+@pytest.mark.parametrize("model,batch,context,mib,large", [
+    (cases.LLAMA3_8B, 1, 32768, 64, False), (cases.LLAMA3_8B, 1, 131072, 256, True),
+    (cases.LLAMA3_8B, 16, 4096, 128, False), (cases.LLAMA3_8B, 64, 4096, 512, True),
+    (cases.LLAMA3_8B, 256, 1024, 512, True), (cases.LLAMA2_7B, 64, 4096, 2048, True),
+    (cases.LLAMA3_70B_TP8, 64, 4096, 64, False), (cases.LLAMA32_1B, 64, 4096, 256, False),
+    (cases.GEMMA3_12B, 64, 4096, 1024, True),
+])
+def test_decode_bytes_and_target_class(model, batch, context, mib, large):
+    shape = decode.DecodeShape(model, batch, context)
+    assert shape.kv_bytes(1) == mib * MiB
+    assert shape.kv_bytes(2) == 2 * mib * MiB
+    assert shape.is_large is large
+
+
+@pytest.mark.parametrize("batch,q_len,seq_len", [(1, 1, 1), (2, 1, 37), (3, 5, 5), (2, 4, 19), (1, 16, 100)])
+def test_attention_flops_counts_visible_keys(batch, q_len, seq_len):
+    heads, head = 3, 8
+    visible = sum(seq_len - q_len + j + 1 for j in range(q_len))
+    assert cases.attention_flops(batch, q_len, seq_len, heads, head) == 4 * head * heads * batch * visible
+
+
+def test_prefill_shapes():
+    shapes = {s.kind: s for s in prefill.default_shapes()}
+    assert set(shapes) == {"prefill", "chunked prefill", "verify", "mixed"}
+    one = lambda kind: [(g.batch, g.q_len, g.seq_len) for g in shapes[kind].groups]
+    assert one("prefill") == [(4, 4096, 4096)]
+    assert one("chunked prefill") == [(8, 512, 8704)]
+    assert one("verify") == [(64, 4, 4100)]
+    assert one("mixed") == [(64, 1, 4097), (2, 2048, 2048)]
+    assert shapes["chunked prefill"].label == "Llama-3-8B chunked prefill B8 x 512 over 8k"
+    mixed = shapes["mixed"]
+    assert mixed.flops == (cases.attention_flops(64, 1, 4097, 32, 128) + cases.attention_flops(2, 2048, 2048, 32, 128))
+
+
+def test_write_and_amax_byte_counts():
+    s = write.WriteShape(16384)
+    elements = 2 * 16384 * 8 * 128
+    assert s.bytes_moved == elements * 3 + 16384 * 8
+    assert all(w.tokens >= 16384 for w in write.default_shapes())
+    assert amax.AmaxShape(1000, True).bytes_read == 2 * 1000 * 8 * 128 * 2
+    assert write.default_shapes()[2].label == "Llama-3-8B write 128k tokens from fused QKV"
+
+
+@pytest.mark.parametrize("pattern,count", [("bs64", 7), ("70B", 1), ("B1 x", 4), (None, 18)])
+def test_shape_filter(pattern, count):
+    assert len(common.select_shapes(decode.default_shapes(), pattern)) == count
+
+
+def test_shape_filter_rejects_no_match():
+    with pytest.raises(SystemExit, match="matches none"):
+        common.select_shapes(decode.default_shapes(), "no such shape")
+
+
+# ---------------------------------------------------------------------------------------------
+# Caches, references, SDPA
+# ---------------------------------------------------------------------------------------------
+
+def small_cache(batch=3, seq_len=37, heads=2, head=16, block=8, seed=0):
+    gen = torch.Generator(CPU).manual_seed(seed)
+    return cases.make_paged_cache(batch, seq_len, heads, head, block, gen, CPU)
+
+
+def test_random_codes_are_finite_normal_and_never_nan():
+    gen = torch.Generator(CPU).manual_seed(1)
+    codes = cases.random_codes((1 << 16,), cases.K_SCALE, gen, CPU).float() * cases.K_SCALE
+    assert bool(torch.isfinite(codes).all())
+    assert abs(float(codes.mean())) < 0.02 and abs(float(codes.std()) - 1.0) < 0.02
+
+
+@pytest.mark.parametrize("seq_len,block", [(37, 8), (32, 8), (5, 16)])
+def test_poisoned_tail_and_hnd_storage(seq_len, block):
+    c = small_cache(seq_len=seq_len, block=block)
+    tail = seq_len % block
+    last = c.key_nhd.view(torch.uint8)[c.block_tables[:, -1].long()]
+    if tail:
+        assert bool((last[:, tail:] == cases.NAN_CODE).all())
+    assert not bool((last[:, :tail or block] == cases.NAN_CODE).any())
+    assert torch.equal(c.key_hnd.view(torch.uint8), c.key_nhd.view(torch.uint8))
+    physical = c.key_hnd.permute(0, 2, 1, 3)
+    assert physical.is_contiguous() and not c.key_hnd.is_contiguous()
+    assert sorted(c.block_tables.flatten().tolist()) == list(range(c.key_nhd.shape[0]))
+
+
+def gathered_by_loop(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    batch, block_size = block_tables.shape[0], cache.shape[1]
+    out = torch.empty(batch, cache.shape[2], seq_len, cache.shape[3])
+    for b in range(batch):
+        for pos in range(seq_len):
+            block = int(block_tables[b, pos // block_size])
+            out[b, :, pos] = cache[block, pos % block_size].float() * scale
+    return out
+
+
+def test_gather_dequantize_matches_a_loop():
+    c = small_cache()
+    got = cases.gather_dequantize(c.key_hnd, c.block_tables, 37, c.k_scale)
+    assert torch.equal(got.float(), gathered_by_loop(c.key_nhd, c.block_tables, 37, cases.K_SCALE))
+
+
+def test_concatenated_caches_hold_each_sequence():
+    parts = [small_cache(batch=2, seq_len=37, seed=1), small_cache(batch=3, seq_len=5, seed=2)]
+    both = cases.concatenate_caches(parts)
+    assert both.seq_lens.tolist() == [37, 37, 5, 5, 5]
+    assert both.block_tables.shape == (5, 5) and both.key_nhd.shape[0] == 2 * 5 + 3 * 1
+    assert torch.equal(both.key_hnd.view(torch.uint8), both.key_nhd.view(torch.uint8))
+    rows = (slice(0, 2), slice(2, 5))
+    for part, rows_of_part, seq_len in zip(parts, rows, (37, 5)):
+        width = part.block_tables.shape[1]
+        for name in ("key_nhd", "value_nhd"):
+            want = gathered_by_loop(getattr(part, name), part.block_tables, seq_len, 1.0)
+            got = gathered_by_loop(getattr(both, name), both.block_tables[rows_of_part, :width], seq_len, 1.0)
+            assert torch.equal(got, want)
+    assert both.block_tables[2:, 1:].eq(0).all()  # padding past a sequence's last page
+
+
+def reference_float64(query, key, value, scale):
+    """Per-sequence, per-head float64 attention with the end-aligned causal mask."""
+    batch, hq, q_len, _ = query.shape
+    hkv, kv_len = key.shape[1], key.shape[2]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(hq):
+            k, v = key[b, h // (hq // hkv)].double(), value[b, h // (hq // hkv)].double()
+            for j in range(q_len):
+                visible = kv_len - q_len + j + 1
+                weights = torch.softmax((k[:visible] @ query[b, h, j].double()) * scale, 0)
+                out[b, h, j] = weights @ v[:visible]
+    return out
+
+
+@pytest.mark.parametrize("hq,hkv,q_len", [(4, 2, 1), (4, 4, 3), (4, 1, 5)])
+def test_reference_attention_against_float64(hq, hkv, q_len):
+    gen = torch.Generator(CPU).manual_seed(2)
+    query = torch.randn(2, hq, q_len, 16, generator=gen).to(torch.bfloat16)
+    key, value = (torch.randn(2, hkv, 23, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    got = cases.reference_attention(query, key, value, 0.25)
+    want = reference_float64(query, key, value, 0.25)
+    # float32 softmax and matmuls over 23 keys: errors near 1e-7 relative.
+    assert common.relative_error(got, want) < 1e-5
+
+
+def test_sdpa_forms():
+    gqa = [f.name for f in cases.sdpa_forms(32, 8)]
+    assert gqa == [f"SDPA {b} {k}" for b in ("flash", "efficient", "cudnn", "default") for k in ("enable_gqa", "expanded")]
+    assert [f.name for f in cases.sdpa_forms(32, 32)] == [f"SDPA {b} enable_gqa" for b in ("flash", "efficient", "cudnn", "default")]
+
+
+def test_expand_heads_maps_query_heads_to_their_kv_head():
+    kv = torch.arange(2 * 3 * 4, dtype=torch.float32).view(1, 2, 3, 4)
+    expanded = cases.expand_heads(kv, 6)
+    assert expanded.shape == (1, 6, 3, 4)
+    for h in range(6):
+        assert torch.equal(expanded[0, h], kv[0, h // 3])
+
+
+@pytest.mark.parametrize("backend,expanded", [("flash", False), ("default", False), ("default", True)])
+@pytest.mark.parametrize("q_len,kv_len", [(1, 40), (6, 6), (4, 19)])
+def test_sdpa_causal_alignment(q_len, kv_len, backend, expanded):
+    gen = torch.Generator(CPU).manual_seed(3)
+    query = torch.randn(2, 4, q_len, 16, generator=gen).to(torch.bfloat16)
+    key, value = (torch.randn(2, 2, kv_len, 16, generator=gen).to(torch.bfloat16) for _ in range(2))
+    want = reference_float64(query, key, value, 0.25)
+    if expanded:
+        key, value = cases.expand_heads(key, 4), cases.expand_heads(value, 4)
+    got = cases.sdpa(query, key, value, 0.25, backend)
+    # bf16 output and bf16 intermediate products on CPU: ~1e-3 relative.
+    assert common.relative_error(got, want) < 1e-2
+
+
+def test_sdpa_backend_refusal_is_an_error():
+    q = torch.randn(1, 4, 1, 16)
+    with pytest.raises(RuntimeError):
+        cases.sdpa(q, q, q, 1.0, "cudnn")  # no cuDNN attention on CPU, and no silent fallback
+
+
+def test_relative_error_flags_nan():
+    ref = torch.ones(4)
+    assert common.relative_error(torch.tensor([1.0, float("nan"), 1.0, 1.0]), ref) == math.inf
+    assert common.relative_error(ref.clone(), ref) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The measuring harness
+# ---------------------------------------------------------------------------------------------
+
+def test_poison_outputs():
+    floats, codes = torch.zeros(3, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.float8_e4m3fn)
+    common.poison_outputs((floats, codes, None))
+    assert bool(floats.isnan().all())
+    assert codes.view(torch.uint8).eq(common.POISON_BYTE).all()
+    common.poison_outputs(None)
+    with pytest.raises(TypeError, match="int32"):
+        common.poison_outputs(torch.zeros(2, dtype=torch.int32))
+
+
+def test_best_and_graph_times():
+    assert common.best_us({"median_us": 10.0, "graph": {"median_us": 8.0}}) == 8.0
+    assert common.best_us({"median_us": 10.0, "graph": {"error": "no"}}) == 10.0
+    assert common.best_us({"error": "no"}) is None and common.graph_us({"median_us": 1.0}) is None
+    columns = {"a": {"median_us": 5.0, "graph": {"median_us": 4.0}}, "b": {"median_us": 4.5}, "c": {"error": "x"}}
+    assert common.fastest(columns, ["a", "b", "c", "absent"]) == "a"
+    assert common.fastest(columns, ["b", "c"], common.graph_us) is None
+    assert common.worst_rel_err({"rel_err": 1e-3, "graph": {"rel_err": 2e-3}}) == 2e-3
+    assert common.worst_rel_err({"error": "no"}) == math.inf
+
+
+def test_judge_and_errors_text():
+    assert common.judge(lambda: 1 < 2, 1.0) is True and common.judge(lambda: 1 / 0, None) is None
+    assert common.targets_text({"a": True, "b": False, "c": None}) == "a:PASS b:MISS c:n/a"
+    rows = [{"label": "s", "columns": {"x": {"error": "E1"}, "y": {"median_us": 1.0, "graph": {"error": "E2"}}}}]
+    assert common.errors_text(rows) == "columns that did not run:\n  s / x: E1\n  s / y (CUDA graph): E2"
+    assert common.errors_text([{"label": "s", "columns": {"y": {"median_us": 1.0}}}]) == ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole runs on the CPU: torch.cuda's timing calls replaced by host clocks, tiny shapes
+# ---------------------------------------------------------------------------------------------
+
+class HostEvent:
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+class HostFlush:
+    def __init__(self, device):
+        self._buffer = torch.empty(1 << 16, dtype=torch.uint8)
+
+    def __call__(self):
+        self._buffer.fill_(0x5A)
+
+
+def host_capture(fn):
+    """CUDA-graph capture stood in for by the call itself: the harness around it is what is tested."""
+    return fn
+
+
+@pytest.fixture
+def cpu_as_cuda(monkeypatch):
+    props = types.SimpleNamespace(name="host CPU", major=0, minor=0, multi_processor_count=1,
+                                  L2_cache_size=1 << 20, total_memory=1 << 30)
+    monkeypatch.setattr(torch.cuda, "Event", HostEvent)
+    for name in ("synchronize", "_sleep", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: props.name)
+    monkeypatch.setattr(common, "cuda_device_or_exit", lambda: CPU)
+    monkeypatch.setattr(common, "L2Flush", HostFlush)
+    monkeypatch.setattr(common, "capture_graph", host_capture)
+    monkeypatch.setattr(common, "BANDWIDTH_PROBE_BYTES", 1 << 20)
+    monkeypatch.setattr(common, "MIN_REPS", 2)
+    monkeypatch.setattr(common, "MAX_REPS", 3)
+    monkeypatch.setattr(common, "load_fp8kv", lambda require_cuda=True: (ops, ops_reason))
+    monkeypatch.setattr(flashinfer_baseline, "load", lambda: (None, "FlashInfer needs CUDA"))
+
+
+def test_measure_records_a_failing_build_and_goes_on(cpu_as_cuda):
+    def build(info):
+        raise RuntimeError("no kernel for this shape\nsecond line")
+    assert common.measure(build, lambda out: {}, HostFlush(CPU)) == {"error": "RuntimeError: no kernel for this shape"}
+
+
+def test_measure_keeps_the_launch_timing_when_capture_fails(cpu_as_cuda, monkeypatch):
+    def refuse(fn):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(common, "capture_graph", refuse)
+    out = torch.ones(4)
+    column = common.measure(lambda info: lambda: out, common.rel_err_check(torch.ones(4)), HostFlush(CPU))
+    assert column["rel_err"] == 0.0 and column["reps"] >= 2
+    assert column["graph"] == {"error": "RuntimeError: operation not permitted when stream is capturing"}
+    assert common.best_us(column) == column["median_us"]
+
+
+def test_graph_that_does_not_write_its_output_fails_the_check(cpu_as_cuda, monkeypatch):
+    out = torch.ones(4)
+    monkeypatch.setattr(common, "capture_graph", lambda fn: (fn(), lambda: out)[1])  # replays do nothing
+    column = common.measure(lambda info: lambda: out.fill_(1.0), common.rel_err_check(torch.ones(4)), HostFlush(CPU))
+    assert column["rel_err"] == 0.0 and column["graph"]["rel_err"] == math.inf
+    assert common.worst_rel_err(column) == math.inf
+
+
+def test_ceilings_use_the_probe_size(cpu_as_cuda):
+    ceilings = common.measure_ceilings(CPU, HostFlush(CPU))
+    assert ceilings.copy_bytes_per_s > 0 and ceilings.read_bytes_per_s > 0
+
+
+def run_main(module, monkeypatch, tmp_path):
+    """Runs a benchmark's main() with --json (and --png where matplotlib is installed)."""
+    json_path, png_path = tmp_path / f"{module.__name__}.json", tmp_path / f"{module.__name__}.png"
+    flags = ["--json", str(json_path)] + (["--png", str(png_path)] if HAVE_MATPLOTLIB else [])
+    monkeypatch.setattr(sys, "argv", [module.__name__, *flags])
+    module.main()
+    if HAVE_MATPLOTLIB:
+        assert png_path.stat().st_size > 10_000
+    return json.loads(json_path.read_text())
+
+
+@needs_fp8kv
+def test_decode_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path, capsys):
+    shapes = [decode.DecodeShape(TINY, 2, 64), decode.DecodeShape(cases.Model("tiny MHA", 4, 4, 32), 2, 40, block_size=8)]
+    monkeypatch.setattr(decode, "default_shapes", lambda: shapes)
+    payload = run_main(decode, monkeypatch, tmp_path)
+    printed = capsys.readouterr().out
+    assert [r["label"] for r in payload["rows"]] == [s.label for s in shapes]
+    for row in payload["rows"]:
+        cols = row["columns"]
+        for name in ("fp8kv e4m3 NHD", "fp8kv e4m3 HND", "fp8kv bf16 cache", "dequant+SDPA", "SDPA flash enable_gqa"):
+            assert cols[name]["rel_err"] < decode.MAX_REL_ERR, (name, cols[name])
+            assert cols[name]["graph"]["rel_err"] < decode.MAX_REL_ERR and cols[name]["graph"]["reps"] >= 2
+        assert "error" in cols["SDPA cudnn enable_gqa"]  # no cuDNN on CPU: recorded, the others ran
+        assert row["summary"]["sdpa_best"].startswith("SDPA ") and row["summary"]["fp8kv_graph_us"] > 0
+        assert row["targets"]["err<=1e-2"] is True and row["targets"]["<=FI/1.1"] is None
+    assert ("SDPA flash expanded" in payload["rows"][0]["columns"]) and ("SDPA flash expanded" not in payload["rows"][1]["columns"])
+    assert "FlashInfer needs CUDA" in printed and "SDPA cudnn enable_gqa" in printed and "targets" in printed
+
+
+@needs_fp8kv
+def test_prefill_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path):
+    Seq = prefill.Sequences
+    shapes = [prefill.PrefillShape("chunked prefill", (Seq(2, 8, 24),), TINY),
+              prefill.PrefillShape("verify", (Seq(3, 4, 20),), TINY),
+              prefill.PrefillShape("mixed", (Seq(3, 1, 30), Seq(2, 9, 0)), TINY, block_size=8)]
+    monkeypatch.setattr(prefill, "default_shapes", lambda: shapes)
+    payload = run_main(prefill, monkeypatch, tmp_path)
+    for row in payload["rows"]:
+        for name in (*prefill.FP8KV_COLUMNS, "SDPA flash enable_gqa", "SDPA default expanded"):
+            assert row["columns"][name]["rel_err"] < prefill.MAX_REL_ERR, (name, row["columns"][name])
+            assert row["columns"][name]["graph"]["rel_err"] < prefill.MAX_REL_ERR
+        assert row["targets"]["err<=1e-2"] is True
+    verify = payload["rows"][1]
+    assert verify["summary"]["decode_best"] in prefill.DECODE_COLUMNS
+    assert verify["targets"]["<=1.1xdecode"] in (True, False)
+    assert "<=1.1xdecode" not in payload["rows"][2]["targets"]
+
+
+@needs_fp8kv
+def test_write_and_amax_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path):
+    monkeypatch.setattr(write, "default_shapes", lambda: [write.WriteShape(96, TINY, 8), write.WriteShape(96, TINY, 8, True)])
+    payload = run_main(write, monkeypatch, tmp_path)
+    for row in payload["rows"]:
+        for col in row["columns"].values():
+            assert col["mismatched_bytes"] == 0 and col["graph"]["mismatched_bytes"] == 0, col
+        assert row["targets"]["exact"] is True
+    monkeypatch.setattr(amax, "default_shapes", lambda: [amax.AmaxShape(64, p, TINY) for p in (False, True)])
+    payload = run_main(amax, monkeypatch, tmp_path)
+    for row in payload["rows"]:
+        for col in row["columns"].values():
+            assert col["exact"] is True and col["graph"]["exact"] is True
+        assert row["targets"]["exact"] is True
+
+
+# ---------------------------------------------------------------------------------------------
+# Column glue through fp8kv's CPU kernels
+# ---------------------------------------------------------------------------------------------
+
+@needs_fp8kv
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (4, 4), (4, 1)])
+def test_decode_column_matches_reference(layout, hq, hkv):
+    shape = decode.DecodeShape(cases.Model("test", hq, hkv, 32), 3, 45, block_size=8)
+    case = decode.make_case(shape, CPU, seed=4)
+    ref = decode.reference_output(case)
+    run = decode.fp8kv_column(ops, case, *case.cache.layout(layout), case.cache.k_scale, case.cache.v_scale)
+    assert common.relative_error(run(), ref) < decode.MAX_REL_ERR
+
+
+@needs_fp8kv
+def test_bf16_cache_column_matches_reference():
+    case = decode.make_case(decode.DecodeShape(TINY, 2, 40), CPU, seed=5)
+    run = decode.fp8kv_bf16_cache_column(ops, case)
+    assert common.relative_error(run(), decode.reference_output(case)) < decode.MAX_REL_ERR
+
+
+@needs_fp8kv
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("kind,groups", [("prefill", ((2, 20, 0),)), ("chunked prefill", ((2, 8, 30),)),
+                                         ("verify", ((3, 4, 25),)), ("mixed", ((3, 1, 30), (2, 9, 0), (1, 5, 7)))])
+def test_prefill_columns_match_reference(layout, kind, groups):
+    shape = prefill.PrefillShape(kind, tuple(prefill.Sequences(*g) for g in groups), TINY, block_size=8)
+    case = prefill.make_case(shape, CPU, seed=6)
+    ref = case.reference_rows()
+    assert ref.shape[0] == sum(b * q for b, q, _ in groups) == case.query.shape[0]
+    out = prefill.fp8kv_column(ops, case, layout)()
+    assert common.relative_error(out, ref) < prefill.MAX_REL_ERR
+    if kind == "verify":
+        decode_out = prefill.fp8kv_column(ops, case, layout, decode=True)()
+        assert common.relative_error(decode_out, case.groups[0].batched(ref)[:, :, -1]) < prefill.MAX_REL_ERR
+
+
+@needs_fp8kv
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_cache_write_bytes_equal_torch_path(fused, layout):
+    shape = write.WriteShape(200, TINY, block_size=8, fused_qkv=fused)
+    case = write.make_case(shape, CPU, seed=7)
+    codes = case.expected_key.view(torch.uint8)
+    assert int((codes & 0x7F == 0x7E).sum()) > 0  # some values saturated to +-448
+    key_cache, value_cache = (write.empty_cache(shape, case.expected_key.shape[0], CPU, layout) for _ in range(2))
+    ops.reshape_and_cache(case.key, case.value, key_cache, value_cache, case.slot_mapping, case.k_scale, case.v_scale)
+    assert write.mismatch_check(case, key_cache, value_cache)(None) == {"mismatched_bytes": 0}
+
+
+def test_cache_write_check_counts_mismatches():
+    shape = write.WriteShape(64, cases.Model("test", 2, 2, 16), block_size=8)
+    case = write.make_case(shape, CPU, seed=8)
+    key_cache, value_cache = case.expected_key.clone(), case.expected_value.clone()
+    key_cache.view(torch.uint8)[0, 0, 0, :3] ^= 1
+    assert write.mismatch_check(case, key_cache, value_cache)(None) == {"mismatched_bytes": 3}
+
+
+@needs_fp8kv
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_kv_amax_matches_torch(per_head, fused):
+    shape = amax.AmaxShape(300, per_head, cases.Model("test", 4, 4, 32), fused_qkv=fused)
+    key, value = amax.make_inputs(shape, CPU, seed=9)
+    expected = (amax.torch_amax(key, per_head), amax.torch_amax(value, per_head))
+    assert expected[0].shape == ((4,) if per_head else (1,))
+    got = tuple(torch.zeros_like(e) for e in expected)
+    ops.kv_amax(key, value, *got)
+    assert amax.exact_check(expected, got)(None) == {"exact": True}
+    got[1][0] += 1.0
+    assert amax.exact_check(expected)(got) == {"exact": False}
+
+
+def test_flashinfer_page_description():
+    block_tables = torch.tensor([[5, 2, 9], [1, 7, 3], [4, 0, 8]], dtype=torch.int32)
+    seq_lens = torch.tensor([17, 48, 1], dtype=torch.int32)
+    indptr, indices, last = flashinfer_baseline.paged_kv_indices(block_tables, seq_lens, 16)
+    assert indptr.tolist() == [0, 2, 5, 6]
+    assert indices.tolist() == [5, 2, 1, 7, 3, 4]
+    assert last.tolist() == [1, 16, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Judgement, tables, JSON and PNG from synthetic results
+# ---------------------------------------------------------------------------------------------
+
+CEILINGS = {"copy_tb_s": 3.0, "read_tb_s": 3.0}
+
+
+def synthetic_decode_row(shape, fp8_graph_us, sdpa_us, fi_us=None, err=2e-3, fp8_launch_extra_us=5.0):
+    """A row as measure_shape() leaves it: fp8kv NHD faster than HND, SDPA's expanded form fastest."""
+    timing = lambda us, rel_err: {"median_us": us + fp8_launch_extra_us, "rel_err": rel_err,
+                                  "graph": {"median_us": us, "rel_err": rel_err}}
+    cols = {"fp8kv e4m3 NHD": timing(fp8_graph_us, err), "fp8kv e4m3 HND": timing(fp8_graph_us * 1.1, err),
+            "SDPA flash enable_gqa": {"median_us": sdpa_us * 1.2, "rel_err": 1e-3, "graph": {"error": "x"}},
+            "SDPA flash expanded": {"median_us": sdpa_us + 3, "rel_err": 1e-3, "graph": {"median_us": sdpa_us}}}
+    if fi_us is not None:
+        cols["FlashInfer cuda-core NHD"] = {"median_us": fi_us, "rel_err": 1e-3}
+    for name, col in cols.items():
+        common.add_rate(col, shape.kv_bytes(1 if "fp8kv" in name or "FlashInfer" in name else 2), "eff_tb_s", common.TB)
+    row = {"label": shape.label, "fp8_kv_bytes": shape.kv_bytes(1), "large": shape.is_large, "columns": cols}
+    row["summary"] = decode.summarize_row(row, CEILINGS)
+    row["targets"] = decode.evaluate_targets(row)
+    return row
+
+
+def us_for(shape, tb_s):
+    return shape.kv_bytes(1) / (tb_s * common.TB) * 1e6
+
+
+def test_decode_summary_uses_graph_time_and_the_best_baselines():
+    big = decode.DecodeShape(cases.LLAMA3_8B, 64, 4096)
+    row = synthetic_decode_row(big, 200.0, sdpa_us=400.0, fi_us=250.0)
+    s = row["summary"]
+    assert (s["fp8kv_best"], s["sdpa_best"], s["flashinfer_best"]) == ("fp8kv e4m3 NHD", "SDPA flash expanded",
+                                                                       "FlashInfer cuda-core NHD")
+    assert (s["fp8kv_graph_us"], s["fp8kv_launch_us"], s["sdpa_us"], s["flashinfer_us"]) == (200.0, 205.0, 400.0, 250.0)
+    assert s["vs_sdpa"] == 0.5 and s["vs_flashinfer"] == 0.8
+    assert s["fp8kv_tb_s"] == pytest.approx(512 * MiB / 200e-6 / 1e12)
+    assert s["fraction_of_read"] == pytest.approx(s["fp8kv_tb_s"] / 3.0)
+
+
+@pytest.mark.parametrize("tb_s,sdpa_ratio,fi_ratio,expected", [
+    (2.8, 0.52, 0.90, (True, True, True)),  # 2.8 / 3.0 = 93% of read
+    (2.7, 0.52, 0.90, (True, False, True)),  # 90% of read
+    (2.8, 0.54, 0.92, (False, True, False)),  # 0.92 > 1 / 1.1
+])
+def test_decode_targets_large(tb_s, sdpa_ratio, fi_ratio, expected):
+    big = decode.DecodeShape(cases.LLAMA3_8B, 16, 16384)
+    us = us_for(big, tb_s)
+    row = synthetic_decode_row(big, us, sdpa_us=us / sdpa_ratio, fi_us=us / fi_ratio)
+    assert row["targets"] == dict(zip(["<=0.53xSDPA", ">=92%read", "<=FI/1.1"], expected)) | {"err<=1e-2": True}
+    text = decode.table([row])
+    assert "<=0.53xSDPA:" + ("PASS" if expected[0] else "MISS") in text and "flash expanded" in text
+
+
+@pytest.mark.parametrize("shape", [decode.DecodeShape(cases.LLAMA3_8B, 1, 32768), decode.DecodeShape(cases.LLAMA32_1B, 64, 4096),
+                                   decode.DecodeShape(cases.LLAMA3_70B_TP8, 64, 4096)])
+@pytest.mark.parametrize("sdpa_ratio,ok", [(0.59, True), (0.61, False)])
+def test_decode_targets_small(shape, sdpa_ratio, ok):
+    row = synthetic_decode_row(shape, 50.0, sdpa_us=50.0 / sdpa_ratio, err=0.02)
+    assert row["targets"] == {"<=0.60xSDPA": ok, "<=FI/1.1": None, "err<=1e-2": False}
+
+
+def test_decode_row_whose_fp8kv_graph_failed_is_not_judged():
+    shape = decode.DecodeShape(cases.LLAMA3_8B, 16, 4096)
+    cols = {n: {"median_us": 80.0, "rel_err": 1e-3, "graph": {"error": "RuntimeError: capture"}} for n in decode.FP8KV_COLUMNS}
+    cols["SDPA flash enable_gqa"] = {"median_us": 100.0}
+    row = {"label": shape.label, "fp8_kv_bytes": shape.kv_bytes(1), "large": shape.is_large, "columns": cols}
+    row["summary"] = decode.summarize_row(row, CEILINGS)
+    assert row["summary"]["fp8kv_launch_us"] == 80.0 and row["summary"]["fp8kv_graph_us"] is None
+    assert decode.evaluate_targets(row) == {"<=0.60xSDPA": None, "<=FI/1.1": None, "err<=1e-2": True}
+    assert "(CUDA graph): RuntimeError: capture" in common.errors_text([row])
+
+
+def test_decode_row_whose_fp8kv_failed():
+    shape = decode.DecodeShape(cases.LLAMA3_8B, 64, 4096)
+    row = {"label": shape.label, "fp8_kv_bytes": shape.kv_bytes(1), "large": True,
+           "columns": {n: {"error": "RuntimeError: no kernel"} for n in decode.FP8KV_COLUMNS}}
+    row["summary"] = decode.summarize_row(row, CEILINGS)
+    row["targets"] = decode.evaluate_targets(row)
+    assert set(row["targets"].values()) == {None}
+    assert "no kernel" in common.errors_text([row]) and "n/a" in decode.table([row])
+
+
+def synthetic_prefill_row(kind, fp8_us, flash_us, fi_us=None, decode_us=None, best_sdpa_us=None):
+    graph = lambda us: {"median_us": us + 5, "graph": {"median_us": us, "rel_err": 1e-3}, "rel_err": 1e-3}
+    cols = {"fp8kv e4m3 NHD": graph(fp8_us), "SDPA flash enable_gqa": {"median_us": flash_us}}
+    if best_sdpa_us is not None:
+        cols["SDPA cudnn expanded"] = {"median_us": best_sdpa_us}
+    if fi_us is not None:
+        cols["FlashInfer NHD"] = {"median_us": fi_us}
+    if decode_us is not None:
+        cols["fp8kv decode NHD"] = graph(decode_us)
+    row = {"label": kind, "kind": kind, "flops": 10**12, "columns": cols}
+    row["summary"] = prefill.summarize_row(row)
+    row["targets"] = prefill.evaluate_targets(row)
+    return row
+
+
+@pytest.mark.parametrize("kind,fp8_us,flash_us,fi_us,decode_us,expected", [
+    ("prefill", 100.0, 101.0, 131.0, None, (True, True)),
+    ("chunked prefill", 100.0, 99.0, 129.0, None, (False, False)),
+    ("mixed", 100.0, 100.0, None, None, (True, None)),
+    ("verify", 110.0, 500.0, 150.0, 100.0, (True, True, True)),
+    ("verify", 111.0, 500.0, 150.0, 100.0, (True, True, False)),
+])
+def test_prefill_targets(kind, fp8_us, flash_us, fi_us, decode_us, expected):
+    row = synthetic_prefill_row(kind, fp8_us, flash_us, fi_us, decode_us, best_sdpa_us=50.0)
+    names = [">=1.0xSDPAflash", "FI>=1.3x"] + (["<=1.1xdecode"] if kind == "verify" else [])
+    assert row["targets"] == dict(zip(names, expected)) | {"err<=1e-2": True}
+    s = row["summary"]
+    assert s["sdpa_flash_best"] == "SDPA flash enable_gqa" and s["sdpa_best"] == "SDPA cudnn expanded"
+    assert s["fp8kv_tflops"] == pytest.approx(1e12 / (fp8_us * 1e-6) / 1e12)
+    assert "cudnn expanded" in prefill.table([row])
+
+
+@pytest.mark.parametrize("fraction,ok", [(0.7, True), (0.6, False)])
+def test_write_and_amax_targets(fraction, ok):
+    us = 1e6 / (fraction * 3.0e12) * 1e6  # 1 MB moved at fraction x 3.0 TB/s
+    graph = {"median_us": us, "mismatched_bytes": 0, "exact": True}
+    write_cols = {"fp8kv NHD": {"median_us": us + 5, "mismatched_bytes": 0, "graph": graph},
+                  write.TORCH_COLUMN: {"median_us": 10 * us}}
+    row = {"label": "w", "bytes": 10**6, "columns": write_cols}
+    row["summary"] = write.summarize_row(row, CEILINGS)
+    assert write.evaluate_targets(row) == {">=67%copy": ok, "exact": True}
+    assert row["summary"]["vs_torch"] == pytest.approx(0.1)
+    amax_cols = {amax.FP8KV_COLUMN: {"median_us": us + 5, "exact": True, "graph": graph},
+                 amax.TORCH_COLUMN: {"median_us": 2 * us}}
+    row = {"label": "a", "bytes": 10**6, "columns": amax_cols}
+    row["summary"] = amax.summarize_row(row, CEILINGS)
+    assert amax.evaluate_targets(row) == {">=67%read": ok, "exact": True}
+
+
+def synthetic_payload(name, metric, rows, series, relative_to=None):
+    payload = {"benchmark": name, "device": {"name": "synthetic"}, "rows": rows,
+               "plot": {"metric": metric, "ylabel": metric, "lines": {"target": 2.0}, "series": series}}
+    if relative_to:
+        payload["plot"]["relative_to"] = relative_to
+    return payload
+
+
+@pytest.mark.parametrize("which", ["decode", "write"])
+@needs_matplotlib
+def test_json_and_png_outputs(tmp_path, which):
+    if which == "decode":
+        shapes = [decode.DecodeShape(cases.LLAMA3_8B, b, 4096) for b in (16, 64)]
+        rows = [synthetic_decode_row(s, us_for(s, 2.5), 900.0, 700.0) for s in shapes]
+        series = [["fp8kv", "@fp8kv_best"], ["SDPA", "@sdpa_best"], ["FI", "@flashinfer_best"], ["absent", "nope"]]
+        payload = synthetic_payload("decode", "eff_tb_s", rows, series, ["SDPA", "@sdpa_best"])
+    else:
+        rows = [{"label": "N1", "columns": {"fp8kv NHD": {"eff_tb_s": 2.1, "median_us": 5.0}}}]
+        payload = synthetic_payload("write", "eff_tb_s", rows, [["fp8kv NHD", "fp8kv NHD"]])
+    args = argparse.Namespace(json=tmp_path / "out" / "r.json", png=tmp_path / "out" / "r.png")
+    common.write_outputs(payload, args)
+    assert json.loads(args.json.read_text())["rows"][0]["label"] == rows[0]["label"]
+    assert args.png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    again = tmp_path / "again.png"
+    subprocess.run([sys.executable, str(HERE / "plot.py"), str(args.json), "--png", str(again)], check=True)
+    assert again.stat().st_size > 10_000
+
+
+def test_plot_takes_each_column_at_its_faster_timing():
+    import plot
+
+    column = {"median_us": 10.0, "eff_tb_s": 1.0, "graph": {"median_us": 8.0, "eff_tb_s": 1.25}}
+    assert plot.best_value(column, "eff_tb_s") == 1.25 and plot.best_value(column, "median_us", min) == 8.0
+    assert math.isnan(plot.best_value({"error": "x"}, "eff_tb_s"))
+
+
+def test_table_alignment():
+    text = common.format_table(["a", "bb"], [["1", "22222"], ["333", "4"]])
+    lines = text.splitlines()
+    assert len({len(line) for line in lines}) == 1 and lines[1].startswith("---")
+
+
+@pytest.mark.parametrize("script", ["bench_paged_attention.py", "bench_prefill.py", "bench_reshape_and_cache.py",
+                                    "bench_kv_amax.py", "plot.py", "flashinfer_wheel.py", "flashinfer_baseline.py"])
+def test_scripts_print_help(script):
+    result = subprocess.run([sys.executable, str(HERE / script), "--help"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout
+
+
+def test_benchmarks_refuse_to_run_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    result = subprocess.run([sys.executable, str(HERE / "bench_paged_attention.py"), "--quick"],
+                            capture_output=True, text=True)
+    assert result.returncode != 0 and "need a CUDA GPU" in result.stderr
+
+
+if __name__ == "__main__":
+    raise SystemExit(pytest.main([__file__, "-q"]))
