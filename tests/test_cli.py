@@ -131,6 +131,7 @@ def workspace(tmp_path):
     write_checkpoint(tmp_path / "model")
     write_checkpoint(tmp_path / "calibrated", config=llama_config(quantization_config=compressed_tensors_config()),
                      tensors=scale_tensors([0.5, 0.5], [0.25, 0.25]))
+    write_checkpoint(tmp_path / "two_files", shards=2, index=False)
     write_checkpoint(tmp_path / "unknown_model_type", config={"num_hidden_layers": 2, "num_key_value_heads": 4})
     (tmp_path / "no_config").mkdir()
     (tmp_path / "ids.txt").write_text("1 5 9\n2 4\n")
@@ -149,6 +150,7 @@ CALIBRATE_ERRORS = [
     ({"--model": "ids.txt"}, 2, "--model", "ids.txt: is not a checkpoint directory"),
     ({"--model": "no_config"}, 2, "--model", "config.json: missing"),
     ({"--model": "calibrated"}, 2, "--model", "already has KV cache scales"),
+    ({"--model": "two_files"}, 2, "--model", "no file that every loader reads could take the scales"),
     ({"--model": "unknown_model_type"}, 1, "--model", "model_type"),
     ({"--data": "nowhere.txt"}, 2, "--data", "nowhere.txt: no such file"),
     ({"--data": "empty"}, 2, "--data", "empty: not a file"),
@@ -158,6 +160,7 @@ CALIBRATE_ERRORS = [
     ({"--out": "ids.txt"}, 2, "--out", "ids.txt: not a directory"),
     ({"--out": "ids.txt/out"}, 2, "--out", "ids.txt is not a directory"),
     ({"--out": "full"}, 2, "--out", "is not empty"),
+    ({"--out": "model/copy"}, 2, "--out", "is inside --model"),
     ({"--legacy-json": "missing/legacy.json"}, 2, "--legacy-json", "missing does not exist"),
     ({"--legacy-json": "empty"}, 2, "--legacy-json", "is a directory"),
     ({"--legacy-json": "legacy.json", "--granularity": "head"}, 2, "--legacy-json", "--granularity tensor"),

@@ -165,22 +165,21 @@ def _output_file(text: str) -> pathlib.Path:
 
 
 def _uncalibrated_checkpoint(text: str) -> pathlib.Path:
-    """A checkpoint directory the loader reads without problems, holding no KV cache scales yet."""
+    """A checkpoint directory the loader reads without problems, holding no KV cache scales yet, in a
+    form the export can write scales into."""
+    from .calibration import scales_file
     from .checkpoint import read_checkpoint_scales
 
-    from .calibration import scales_file
-
-    try:
-        found = read_checkpoint_scales(text)
-        if not found.problems:
-            scales_file(text)  # a checkpoint form the export can write into
-    except (OSError, ValueError) as e:
-        raise argparse.ArgumentTypeError(_describe(e)) from None
+    found = read_checkpoint_scales(text)  # reports bad content as problems, raises nothing
     if found.problems:
         raise argparse.ArgumentTypeError("; ".join(str(p) for p in found.problems))
     if found.has_scales or found.declared:
         raise argparse.ArgumentTypeError(f"{text} already has KV cache scales ({', '.join(found.forms + found.declared)}"
                                          "); calibrate from the checkpoint without them")
+    try:
+        scales_file(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return pathlib.Path(text)
 
 
