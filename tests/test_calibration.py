@@ -415,7 +415,8 @@ def test_single_file_rewrite_keeps_every_tensor_byte_for_byte_and_aligned(tmp_pa
     after = load_file(str(tmp_path / "out" / "model.safetensors"))  # safetensors checks the layout has no holes
     assert after.keys() == before.keys() | {f"model.layers.{i}.self_attn.{k}_scale" for i in range(2) for k in "kv"}
     for name, tensor in before.items():
-        assert after[name].dtype == tensor.dtype and torch.equal(after[name].view(torch.uint8), tensor.view(torch.uint8))
+        assert after[name].dtype == tensor.dtype
+        assert torch.equal(after[name].view(torch.uint8), tensor.view(torch.uint8)), name
 
 
 def test_module_names_come_from_the_weights_or_the_caller(tmp_path):

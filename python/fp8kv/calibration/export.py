@@ -79,17 +79,17 @@ def _export_in_place(directory: pathlib.Path, kv_cache: KVCacheConfig, module_te
 
 
 def _export_copy(source: pathlib.Path, out: pathlib.Path, kv_cache: KVCacheConfig, module_template) -> None:
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"output directory {out} exists and is not empty")
-    if out.resolve().is_relative_to(source.resolve()):
-        raise ValueError(f"output directory {out} is inside the model directory {source}, so the copy would contain "
-                         f"itself; write it elsewhere, or into {source} itself to add the scales in place")
     # A missing source is reported by the checkpoint reader, by name.
     with commit.locked(source, shared=True) if source.is_dir() else nullcontext():
         if commit.committed_files(source) is not None:
             raise ValueError(f"{source} holds an interrupted export ({commit.JOURNAL}): export into it in place "
                              "again to finish it")
         tensors = _checked_scale_tensors(source, kv_cache, module_template, in_place=False)
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise FileExistsError(f"output directory {out} exists and is not empty")
+        if out.resolve().is_relative_to(source.resolve()):
+            raise ValueError(f"output directory {out} is inside the model directory {source}, so the copy would "
+                             f"contain itself; write it elsewhere, or into {source} itself to add the scales in place")
         with commit.new_directory(out) as stage:
             _copy(source, stage, out)
             commit.replace_files(stage, _writers(stage, tensors, kv_cache))
@@ -195,7 +195,8 @@ def _copy(source: pathlib.Path, stage: pathlib.Path, out: pathlib.Path) -> None:
         more = f" (and {len(failures) - 1} more)" if len(failures) > 1 else ""
         raise OSError(f"cannot copy {source} to {out}: {failures[0][0]}: {failures[0][2]}{more}") from None
     except OSError as e:
-        raise OSError(e.errno, f"cannot copy {source} to {out}: {e.filename}: {e.strerror}") from None
+        where = f"{e.filename}: " if e.filename else ""
+        raise OSError(e.errno, f"cannot copy {source} to {out}: {where}{e.strerror or e}") from None
 
 
 def _read_json(path: pathlib.Path) -> dict:
