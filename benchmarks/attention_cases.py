@@ -164,7 +164,8 @@ class SdpaForm:
 
     @property
     def name(self) -> str:
-        return f"SDPA {self.backend} {'expanded' if self.expanded else 'enable_gqa'}"
+        """e.g. "SDPA flash" (K/V as cached, enable_gqa where grouped), "SDPA flash expanded"."""
+        return f"SDPA {self.backend}" + (" expanded" if self.expanded else "")
 
 
 def sdpa_forms(num_heads: int, num_kv_heads: int, backends=("flash", "efficient", "cudnn", "default")) -> list[SdpaForm]:

@@ -11,7 +11,6 @@ read-only bandwidth measured in the same run, i.e. ~2.0 TB/s on an H100.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import torch
@@ -68,7 +67,8 @@ def exact_check(expected: tuple[torch.Tensor, torch.Tensor], maxima: tuple[torch
     return lambda output: {"exact": all(bool(torch.equal(g, e)) for g, e in zip(maxima or output, expected))}
 
 
-def measure_shape(shape: AmaxShape, ops, ops_reason: str, device, flush, seed: int) -> dict:
+def measure_shape(shape: AmaxShape, setup: common.Setup, seed: int) -> dict:
+    ops, ops_reason, device = setup.ops, setup.ops_reason, setup.device
     key, value = make_inputs(shape, device, seed)
     expected = (torch_amax(key, shape.per_head), torch_amax(value, shape.per_head))
     count = shape.model.num_kv_heads if shape.per_head else 1
@@ -83,26 +83,23 @@ def measure_shape(shape: AmaxShape, ops, ops_reason: str, device, flush, seed: i
     def torch_path():
         return torch_amax(key, shape.per_head), torch_amax(value, shape.per_head)
 
-    results = {FP8KV_COLUMN: common.measure(fp8kv, exact_check(expected, (k_amax, v_amax)), flush),
-               TORCH_COLUMN: common.measure(lambda info: torch_path, exact_check(expected), flush)}
+    results = {FP8KV_COLUMN: common.measure(fp8kv, exact_check(expected, (k_amax, v_amax)), setup.flush),
+               TORCH_COLUMN: common.measure(lambda info: torch_path, exact_check(expected), setup.flush)}
     for column in results.values():
         common.add_rate(column, shape.bytes_read, "eff_tb_s", common.TB)
-    return {"label": shape.label, "shape": dataclasses.asdict(shape), "bytes": shape.bytes_read, "columns": results}
+    row = {"label": shape.label, "shape": dataclasses.asdict(shape), "bytes": shape.bytes_read, "columns": results}
+    row["summary"] = summarize_row(row, setup.ceilings)
+    row["targets"] = evaluate_targets(row)
+    return row
 
 
 def summarize_row(row: dict, ceilings: dict) -> dict:
-    cols = row["columns"]
-    us = common.graph_us(cols[FP8KV_COLUMN])
-    if us is None:
+    """fp8kv's graph time, its bandwidth and fraction of the read-only bandwidth, its exactness."""
+    fp8kv = row["columns"][FP8KV_COLUMN]
+    if common.graph_us(fp8kv) is None:
         return {}
-    tb_s = row["bytes"] / (us * 1e-6) / common.TB
-    summary = {"fp8kv_launch_us": cols[FP8KV_COLUMN]["median_us"], "fp8kv_graph_us": us, "fp8kv_tb_s": tb_s,
-               "fraction_of_read": tb_s / ceilings["read_tb_s"],
-               "exact": cols[FP8KV_COLUMN]["exact"] and cols[FP8KV_COLUMN]["graph"]["exact"]}
-    torch_us = common.best_us(cols[TORCH_COLUMN])
-    if torch_us:
-        summary["vs_torch"] = us / torch_us
-    return summary
+    return ({"exact": fp8kv["exact"] and fp8kv["graph"]["exact"]}
+            | common.bandwidth_summary(row, FP8KV_COLUMN, ceilings["read_tb_s"], "fraction_of_read", TORCH_COLUMN))
 
 
 def evaluate_targets(row: dict) -> dict[str, bool | None]:
@@ -122,39 +119,19 @@ def table(rows: list[dict]) -> str:
             common.fmt(s.get("fp8kv_graph_us")), common.fmt(common.best_us(cols[TORCH_COLUMN])),
             common.fmt(s.get("fp8kv_tb_s"), 2),
             common.fmt(100 * s["fraction_of_read"] if "fraction_of_read" in s else None, 0),
-            common.fmt(s.get("vs_torch"), 2), common.targets_text(row["targets"]),
+            common.fmt(s.get("vs_baseline"), 2), common.targets_text(row["targets"]),
         ])
     return common.format_table(headers, body)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_common_arguments(parser)
-    args = parser.parse_args()
-    shapes = common.select_shapes(default_shapes()[2:4] if args.quick else default_shapes(), args.shapes)
-    device = common.cuda_device_or_exit()
-    ops, ops_reason = common.load_fp8kv()
-    print(f"fp8kv: {ops_reason}")
-    flush = common.L2Flush(device)
-    ceilings = common.measure_ceilings(device, flush).as_dict()
-    print(f"device read-only sum {ceilings['read_tb_s']:.2f} TB/s, copy {ceilings['copy_tb_s']:.2f} TB/s")
-    rows = []
-    for index, shape in enumerate(shapes):
-        row = measure_shape(shape, ops, ops_reason, device, flush, seed=300 + index)
-        common.release_memory()
-        row["summary"] = summarize_row(row, ceilings)
-        row["targets"] = evaluate_targets(row)
-        rows.append(row)
-    print(table(rows))
-    print(common.errors_text(rows))
-    payload = common.run_header("kv_amax", device) | {
-        "ceilings": ceilings, "fp8kv": ops_reason, "rows": rows,
-        "plot": {"metric": "eff_tb_s", "ylabel": "bytes read / time (TB/s)",
-                 "lines": {"read": ceilings["read_tb_s"],
-                           f"{TARGET_READ_FRACTION:.0%} of read": TARGET_READ_FRACTION * ceilings["read_tb_s"]},
-                 "series": [[FP8KV_COLUMN, FP8KV_COLUMN], [TORCH_COLUMN, TORCH_COLUMN]]},
-    }
-    common.write_outputs(payload, args)
+    args, shapes, setup = common.start_run(__doc__.split("\n\n")[0], default_shapes(), default_shapes()[2:4])
+    rows = common.measure_rows(shapes, lambda shape, index: measure_shape(shape, setup, seed=300 + index))
+    read_tb_s = setup.ceilings["read_tb_s"]
+    plot = {"metric": "eff_tb_s", "ylabel": "bytes read / time (TB/s)",
+            "lines": {"read": read_tb_s, f"{TARGET_READ_FRACTION:.0%} of read": TARGET_READ_FRACTION * read_tb_s},
+            "series": [[FP8KV_COLUMN, FP8KV_COLUMN], [TORCH_COLUMN, TORCH_COLUMN]]}
+    common.finish_run("kv_amax", setup, rows, table(rows), plot, args)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ is the faster of its launch and graph times. Targets (PASS/MISS):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from typing import Callable
 
@@ -187,16 +186,19 @@ def reference_output(case: DecodeCase) -> torch.Tensor:
     return cases.reference_attention(case.query.unsqueeze(2), *case.dequantized(), case.softmax_scale).squeeze(2)
 
 
-def measure_shape(shape, ops, ops_reason, flashinfer, device, flush, seed) -> dict:
-    case = make_case(shape, device, seed)
+def measure_shape(shape: DecodeShape, setup: common.Setup, seed: int) -> dict:
+    case = make_case(shape, setup.device, seed)
     ref = reference_output(case)
     columns = {}
-    for name, (element_size, build) in column_builders(ops, ops_reason, flashinfer, shape).items():
-        columns[name] = common.measure(lambda info: build(case, info), common.rel_err_check(ref), flush)
+    for name, (element_size, build) in column_builders(setup.ops, setup.ops_reason, setup.flashinfer, shape).items():
+        columns[name] = common.measure(lambda info: build(case, info), common.rel_err_check(ref), setup.flush)
         columns[name]["bytes"] = shape.kv_bytes(element_size)
         common.add_rate(columns[name], shape.kv_bytes(element_size), "eff_tb_s", common.TB)
-    return {"label": shape.label, "model": shape.model.name, "shape": dataclasses.asdict(shape),
-            "fp8_kv_bytes": shape.kv_bytes(1), "large": shape.is_large, "columns": columns}
+    row = {"label": shape.label, "model": shape.model.name, "shape": dataclasses.asdict(shape),
+           "fp8_kv_bytes": shape.kv_bytes(1), "large": shape.is_large, "columns": columns}
+    row["summary"] = summarize_row(row, setup.ceilings)
+    row["targets"] = evaluate_targets(row)
+    return row
 
 
 def summarize_row(row: dict, ceilings: dict) -> dict:
@@ -266,42 +268,17 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_common_arguments(parser)
-    parser.add_argument("--no-flashinfer", action="store_true", help="leave FlashInfer's columns out")
-    args = parser.parse_args()
-    shapes = common.select_shapes(quick_shapes() if args.quick else default_shapes(), args.shapes)
-    device = common.cuda_device_or_exit()
-    ops, ops_reason = common.load_fp8kv()
-    flashinfer, fi_reason = (None, "disabled by --no-flashinfer") if args.no_flashinfer else flashinfer_baseline.load()
-    print(f"fp8kv: {ops_reason}\nFlashInfer: {fi_reason}")
-    flush = common.L2Flush(device)
-    ceilings = common.measure_ceilings(device, flush).as_dict()
-    print(f"device: {torch.cuda.get_device_name(device)}; copy {ceilings['copy_tb_s']:.2f} TB/s (read + write), "
-          f"read-only sum {ceilings['read_tb_s']:.2f} TB/s")
-
-    rows = []
-    for index, shape in enumerate(shapes):
-        row = measure_shape(shape, ops, ops_reason, flashinfer, device, flush, seed=index)
-        common.release_memory()
-        row["summary"] = summarize_row(row, ceilings)
-        row["targets"] = evaluate_targets(row)
-        rows.append(row)
-        print(f"[{index + 1}/{len(shapes)}] {shape.label}: fp8kv graph {common.fmt(row['summary'].get('fp8kv_graph_us'))} us, "
-              f"SDPA {common.fmt(row['summary']['sdpa_us'])} us", flush=True)
-    print(table(rows))
-    print(common.errors_text(rows))
-    payload = common.run_header("paged_attention_decode", device) | {
-        "ceilings": ceilings, "fp8kv": ops_reason, "flashinfer": fi_reason, "rows": rows,
-        "plot": {"metric": "eff_tb_s", "ylabel": "effective bandwidth (TB/s)",
-                 "lines": {"copy": ceilings["copy_tb_s"], "read": ceilings["read_tb_s"],
-                           f"{TARGET_READ_FRACTION:.0%} of read": TARGET_READ_FRACTION * ceilings["read_tb_s"]},
-                 "series": [["fp8kv e4m3 (faster storage)", "@fp8kv_best"], ["fp8kv bf16 cache", "fp8kv bf16 cache"],
-                            ["bf16 SDPA (fastest form)", "@sdpa_best"], ["dequant+SDPA", "dequant+SDPA"],
-                            ["FlashInfer FP8 (fastest)", "@flashinfer_best"]],
-                 "relative_to": ["bf16 SDPA", "@sdpa_best"]},
-    }
-    common.write_outputs(payload, args)
+    args, shapes, setup = common.start_run(__doc__.split("\n\n")[0], default_shapes(), quick_shapes(), flashinfer=True)
+    rows = common.measure_rows(shapes, lambda shape, index: measure_shape(shape, setup, seed=index))
+    ceilings = setup.ceilings
+    plot = {"metric": "eff_tb_s", "ylabel": "effective bandwidth (TB/s)",
+            "lines": {"copy": ceilings["copy_tb_s"], "read": ceilings["read_tb_s"],
+                      f"{TARGET_READ_FRACTION:.0%} of read": TARGET_READ_FRACTION * ceilings["read_tb_s"]},
+            "series": [["fp8kv e4m3 (faster storage)", "@fp8kv_best"], ["fp8kv bf16 cache", "fp8kv bf16 cache"],
+                       ["bf16 SDPA (fastest form)", "@sdpa_best"], ["dequant+SDPA", "dequant+SDPA"],
+                       ["FlashInfer FP8 (fastest)", "@flashinfer_best"]],
+            "relative_to": ["bf16 SDPA", "@sdpa_best"]}
+    common.finish_run("paged_attention_decode", setup, rows, table(rows), plot, args)
 
 
 if __name__ == "__main__":

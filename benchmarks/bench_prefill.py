@@ -20,7 +20,6 @@ SDPA flash (its faster form) and FlashInfer's FP8 prefill time >= 1.3x fp8kv's; 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import torch
@@ -37,7 +36,7 @@ FP8KV_COLUMNS = ("fp8kv e4m3 NHD", "fp8kv e4m3 HND")
 DECODE_COLUMNS = ("fp8kv decode NHD", "fp8kv decode HND")
 FLASHINFER_PREFIX = "FlashInfer "
 SDPA_PREFIX = "SDPA "
-SDPA_FLASH_PREFIX = "SDPA flash "
+SDPA_FLASH_PREFIX = "SDPA flash"  # "SDPA flash" and "SDPA flash expanded"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,8 +174,9 @@ def flashinfer_column(flashinfer, case: PrefillCase, layout: str, info: dict):
     return wrapped
 
 
-def measure_shape(shape: PrefillShape, ops, ops_reason: str, flashinfer, device, flush, seed: int) -> dict:
-    case = make_case(shape, device, seed)
+def measure_shape(shape: PrefillShape, setup: common.Setup, seed: int) -> dict:
+    ops, ops_reason, flashinfer = setup.ops, setup.ops_reason, setup.flashinfer
+    case = make_case(shape, setup.device, seed)
     ref = case.reference_rows()
     sdpa_to_rows = lambda outs: torch.cat([rows_of(out) for out in outs])
 
@@ -200,10 +200,13 @@ def measure_shape(shape: PrefillShape, ops, ops_reason: str, flashinfer, device,
             columns[name] = (fp8kv(layout, decode=True), common.rel_err_check(last_rows_ref))
     results = {}
     for name, (build, check) in columns.items():
-        results[name] = common.measure(build, check, flush)
+        results[name] = common.measure(build, check, setup.flush)
         common.add_rate(results[name], shape.flops, "tflops", 1e12)
-    return {"label": shape.label, "model": shape.model.name, "shape": dataclasses.asdict(shape), "kind": shape.kind,
-            "flops": shape.flops, "columns": results}
+    row = {"label": shape.label, "model": shape.model.name, "shape": dataclasses.asdict(shape), "kind": shape.kind,
+           "flops": shape.flops, "columns": results}
+    row["summary"] = summarize_row(row)
+    row["targets"] = evaluate_targets(row)
+    return row
 
 
 def summarize_row(row: dict) -> dict:
@@ -266,36 +269,15 @@ def table(rows: list[dict]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_common_arguments(parser)
-    parser.add_argument("--no-flashinfer", action="store_true", help="leave FlashInfer's columns out")
-    args = parser.parse_args()
-    shapes = common.select_shapes(default_shapes(), args.shapes)  # --quick: these four are already few
-    device = common.cuda_device_or_exit()
-    ops, ops_reason = common.load_fp8kv()
-    flashinfer, fi_reason = (None, "disabled by --no-flashinfer") if args.no_flashinfer else flashinfer_baseline.load()
-    print(f"fp8kv: {ops_reason}\nFlashInfer: {fi_reason}")
-    flush = common.L2Flush(device)
-    rows = []
-    for index, shape in enumerate(shapes):
-        row = measure_shape(shape, ops, ops_reason, flashinfer, device, flush, seed=100 + index)
-        common.release_memory()
-        row["summary"] = summarize_row(row)
-        row["targets"] = evaluate_targets(row)
-        rows.append(row)
-        print(f"[{index + 1}/{len(shapes)}] {shape.label}: fp8kv graph {common.fmt(row['summary'].get('fp8kv_graph_us'))} us",
-              flush=True)
-    print(table(rows))
-    print(common.errors_text(rows))
-    payload = common.run_header("paged_attention_prefill", device) | {
-        "fp8kv": ops_reason, "flashinfer": fi_reason, "rows": rows,
-        "plot": {"metric": "tflops", "ylabel": "attention TFLOP/s (causal, useful FLOPs)", "lines": {},
-                 "series": [["fp8kv e4m3 (faster storage)", "@fp8kv_best"], ["bf16 SDPA flash", "@sdpa_flash_best"],
-                            ["bf16 SDPA (fastest form)", "@sdpa_best"], ["FlashInfer FP8 (fastest)", "@flashinfer_best"],
-                            ["fp8kv decode", "@decode_best"]],
-                 "relative_to": ["bf16 SDPA flash", "@sdpa_flash_best"]},
-    }
-    common.write_outputs(payload, args)
+    # --quick: these four are already few
+    args, shapes, setup = common.start_run(__doc__.split("\n\n")[0], default_shapes(), default_shapes(), flashinfer=True)
+    rows = common.measure_rows(shapes, lambda shape, index: measure_shape(shape, setup, seed=100 + index))
+    plot = {"metric": "tflops", "ylabel": "attention TFLOP/s (causal, useful FLOPs)", "lines": {},
+            "series": [["fp8kv e4m3 (faster storage)", "@fp8kv_best"], ["bf16 SDPA flash", "@sdpa_flash_best"],
+                       ["bf16 SDPA (fastest form)", "@sdpa_best"], ["FlashInfer FP8 (fastest)", "@flashinfer_best"],
+                       ["fp8kv decode", "@decode_best"]],
+            "relative_to": ["bf16 SDPA flash", "@sdpa_flash_best"]}
+    common.finish_run("paged_attention_prefill", setup, rows, table(rows), plot, args)
 
 
 if __name__ == "__main__":

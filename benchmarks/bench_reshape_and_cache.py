@@ -14,7 +14,6 @@ the same run (which also counts bytes read + written), i.e. ~2.0 TB/s on an H100
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import torch
@@ -107,7 +106,8 @@ def mismatch_check(case: WriteCase, key_cache: torch.Tensor, value_cache: torch.
     return check
 
 
-def measure_shape(shape: WriteShape, ops, ops_reason: str, device, flush, seed: int) -> dict:
+def measure_shape(shape: WriteShape, setup: common.Setup, seed: int) -> dict:
+    ops, ops_reason, device = setup.ops, setup.ops_reason, setup.device
     case = make_case(shape, device, seed)
     num_blocks = case.expected_key.shape[0]
 
@@ -133,9 +133,12 @@ def measure_shape(shape: WriteShape, ops, ops_reason: str, device, flush, seed: 
     columns[TORCH_COLUMN] = column(torch_write)
     results = {}
     for name, (build, check) in columns.items():
-        results[name] = common.measure(build, check, flush)
+        results[name] = common.measure(build, check, setup.flush)
         common.add_rate(results[name], shape.bytes_moved, "eff_tb_s", common.TB)
-    return {"label": shape.label, "shape": dataclasses.asdict(shape), "bytes": shape.bytes_moved, "columns": results}
+    row = {"label": shape.label, "shape": dataclasses.asdict(shape), "bytes": shape.bytes_moved, "columns": results}
+    row["summary"] = summarize_row(row, setup.ceilings)
+    row["targets"] = evaluate_targets(row)
+    return row
 
 
 def summarize_row(row: dict, ceilings: dict) -> dict:
@@ -144,16 +147,10 @@ def summarize_row(row: dict, ceilings: dict) -> dict:
     best = common.fastest(cols, FP8KV_COLUMNS, common.graph_us)
     if best is None:
         return {"fp8kv_best": None}
-    us = common.graph_us(cols[best])
-    tb_s = row["bytes"] / (us * 1e-6) / common.TB
     mismatched = sum(cols[n].get("mismatched_bytes", 0) + cols[n]["graph"].get("mismatched_bytes", 0)
                      for n in FP8KV_COLUMNS if "median_us" in cols.get(n, {}))
-    summary = {"fp8kv_best": best, "fp8kv_launch_us": cols[best]["median_us"], "fp8kv_graph_us": us,
-               "fp8kv_tb_s": tb_s, "fraction_of_copy": tb_s / ceilings["copy_tb_s"], "mismatched_bytes": mismatched}
-    torch_us = common.best_us(cols.get(TORCH_COLUMN, {}))
-    if torch_us:
-        summary["vs_torch"] = us / torch_us
-    return summary
+    return ({"fp8kv_best": best, "mismatched_bytes": mismatched}
+            | common.bandwidth_summary(row, best, ceilings["copy_tb_s"], "fraction_of_copy", TORCH_COLUMN))
 
 
 def evaluate_targets(row: dict) -> dict[str, bool | None]:
@@ -175,39 +172,19 @@ def table(rows: list[dict]) -> str:
             common.fmt(s.get("fp8kv_graph_us")), common.fmt(common.best_us(cols.get(TORCH_COLUMN, {}))),
             common.fmt(s.get("fp8kv_tb_s"), 2),
             common.fmt(100 * s["fraction_of_copy"] if "fraction_of_copy" in s else None, 0),
-            common.fmt(s.get("vs_torch"), 2), str(s.get("mismatched_bytes", "-")), common.targets_text(row["targets"]),
+            common.fmt(s.get("vs_baseline"), 2), str(s.get("mismatched_bytes", "-")), common.targets_text(row["targets"]),
         ])
     return common.format_table(headers, body)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_common_arguments(parser)
-    args = parser.parse_args()
-    shapes = common.select_shapes(default_shapes()[:1] if args.quick else default_shapes(), args.shapes)
-    device = common.cuda_device_or_exit()
-    ops, ops_reason = common.load_fp8kv()
-    print(f"fp8kv: {ops_reason}")
-    flush = common.L2Flush(device)
-    ceilings = common.measure_ceilings(device, flush).as_dict()
-    print(f"device copy {ceilings['copy_tb_s']:.2f} TB/s (read + write)")
-    rows = []
-    for index, shape in enumerate(shapes):
-        row = measure_shape(shape, ops, ops_reason, device, flush, seed=200 + index)
-        common.release_memory()
-        row["summary"] = summarize_row(row, ceilings)
-        row["targets"] = evaluate_targets(row)
-        rows.append(row)
-    print(table(rows))
-    print(common.errors_text(rows))
-    payload = common.run_header("reshape_and_cache", device) | {
-        "ceilings": ceilings, "fp8kv": ops_reason, "rows": rows,
-        "plot": {"metric": "eff_tb_s", "ylabel": "bytes read + written / time (TB/s)",
-                 "lines": {"copy": ceilings["copy_tb_s"],
-                           f"{TARGET_COPY_FRACTION:.0%} of copy": TARGET_COPY_FRACTION * ceilings["copy_tb_s"]},
-                 "series": [[name, name] for name in (*FP8KV_COLUMNS, TORCH_COLUMN)]},
-    }
-    common.write_outputs(payload, args)
+    args, shapes, setup = common.start_run(__doc__.split("\n\n")[0], default_shapes(), default_shapes()[:1])
+    rows = common.measure_rows(shapes, lambda shape, index: measure_shape(shape, setup, seed=200 + index))
+    copy_tb_s = setup.ceilings["copy_tb_s"]
+    plot = {"metric": "eff_tb_s", "ylabel": "bytes read + written / time (TB/s)",
+            "lines": {"copy": copy_tb_s, f"{TARGET_COPY_FRACTION:.0%} of copy": TARGET_COPY_FRACTION * copy_tb_s},
+            "series": [[name, name] for name in (*FP8KV_COLUMNS, TORCH_COLUMN)]}
+    common.finish_run("reshape_and_cache", setup, rows, table(rows), plot, args)
 
 
 if __name__ == "__main__":

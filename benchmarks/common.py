@@ -257,6 +257,20 @@ def fastest(columns: dict, names: Iterable[str], time_of: Callable[[dict], float
     return min(timed, key=lambda n: time_of(columns[n])) if timed else None
 
 
+def bandwidth_summary(row: dict, name: str, ceiling_tb_s: float, fraction_key: str, baseline: str) -> dict:
+    """Column `name`'s launch and graph times, its bandwidth at the graph time (row["bytes"] / time),
+    that as a fraction of a measured ceiling, and its graph time relative to a baseline column's best."""
+    column = row["columns"][name]
+    us = graph_us(column)
+    tb_s = row["bytes"] / (us * 1e-6) / TB
+    summary = {"fp8kv_launch_us": column["median_us"], "fp8kv_graph_us": us, "fp8kv_tb_s": tb_s,
+               fraction_key: tb_s / ceiling_tb_s}
+    baseline_us = best_us(row["columns"].get(baseline, {}))
+    if baseline_us:
+        summary["vs_baseline"] = us / baseline_us
+    return summary
+
+
 def worst_rel_err(column: dict) -> float:
     """The larger relative error of a column's launch and graph outputs (inf when it did not run)."""
     return max(column.get("rel_err", float("inf")), column.get("graph", {}).get("rel_err", 0.0))
@@ -365,6 +379,66 @@ def load_fp8kv(require_cuda: bool = True):
     if require_cuda and not fp8kv.has_cuda_kernels():
         return None, "fp8kv was built without CUDA kernels (build with FP8KV_CUDA=1)"
     return fp8kv.ops, f"fp8kv {fp8kv.__version__} from {pathlib.Path(fp8kv.__file__).parent}"
+
+
+@dataclasses.dataclass
+class Setup:
+    """What every shape of a benchmark run measures with: the device, its flush and measured
+    ceilings, fp8kv's ops and FlashInfer (None, with the reason, when not usable)."""
+
+    device: torch.device
+    flush: L2Flush
+    ceilings: dict
+    ops: object
+    ops_reason: str
+    flashinfer: object = None
+    flashinfer_reason: str = "not used by this benchmark"
+
+
+def start_run(description: str, shapes: list, quick_shapes: list, *, flashinfer: bool = False) -> tuple[argparse.Namespace, list, Setup]:
+    """Parses the command line, picks the shapes, loads fp8kv (and FlashInfer) and measures the
+    device's ceilings; exits when there is no GPU."""
+    parser = argparse.ArgumentParser(description=description)
+    add_common_arguments(parser)
+    if flashinfer:
+        parser.add_argument("--no-flashinfer", action="store_true", help="leave FlashInfer's columns out")
+    args = parser.parse_args()
+    shapes = select_shapes(quick_shapes if args.quick else shapes, args.shapes)
+    device = cuda_device_or_exit()
+    ops, ops_reason = load_fp8kv()
+    print(f"fp8kv: {ops_reason}")
+    fi_module, fi_reason = None, Setup.flashinfer_reason
+    if flashinfer:
+        import flashinfer_baseline  # benchmarks/ is on sys.path when a script here runs
+
+        fi_module, fi_reason = (None, "disabled by --no-flashinfer") if args.no_flashinfer else flashinfer_baseline.load()
+        print(f"FlashInfer: {fi_reason}")
+    flush = L2Flush(device)
+    ceilings = measure_ceilings(device, flush).as_dict()
+    print(f"device: {torch.cuda.get_device_name(device)}; copy {ceilings['copy_tb_s']:.2f} TB/s (read + write), "
+          f"read-only sum {ceilings['read_tb_s']:.2f} TB/s")
+    return args, shapes, Setup(device, flush, ceilings, ops, ops_reason, fi_module, fi_reason)
+
+
+def measure_rows(shapes: list, measure_row: Callable[[object, int], dict]) -> list[dict]:
+    """measure_row(shape, index) for every shape, memory released after each, with progress."""
+    rows = []
+    for index, shape in enumerate(shapes):
+        rows.append(measure_row(shape, index))
+        release_memory()
+        print(f"[{index + 1}/{len(shapes)}] {shape.label}", flush=True)
+    return rows
+
+
+def finish_run(benchmark_name: str, setup: Setup, rows: list[dict], table_text: str, plot: dict,
+               args: argparse.Namespace) -> None:
+    """Prints the table and the columns that did not run, writes the JSON and PNG asked for."""
+    print(table_text)
+    print(errors_text(rows))
+    payload = run_header(benchmark_name, setup.device) | {
+        "ceilings": setup.ceilings, "fp8kv": setup.ops_reason, "flashinfer": setup.flashinfer_reason,
+        "rows": rows, "plot": plot}
+    write_outputs(payload, args)
 
 
 def release_memory() -> None:

@@ -213,8 +213,8 @@ def test_reference_attention_against_float64(hq, hkv, q_len):
 
 def test_sdpa_forms():
     gqa = [f.name for f in cases.sdpa_forms(32, 8)]
-    assert gqa == [f"SDPA {b} {k}" for b in ("flash", "efficient", "cudnn", "default") for k in ("enable_gqa", "expanded")]
-    assert [f.name for f in cases.sdpa_forms(32, 32)] == [f"SDPA {b} enable_gqa" for b in ("flash", "efficient", "cudnn", "default")]
+    assert gqa == [f"SDPA {b}{k}" for b in ("flash", "efficient", "cudnn", "default") for k in ("", " expanded")]
+    assert [f.name for f in cases.sdpa_forms(32, 32)] == [f"SDPA {b}" for b in ("flash", "efficient", "cudnn", "default")]
 
 
 def test_expand_heads_maps_query_heads_to_their_kv_head():
@@ -381,14 +381,14 @@ def test_decode_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path, capsys):
     assert [r["label"] for r in payload["rows"]] == [s.label for s in shapes]
     for row in payload["rows"]:
         cols = row["columns"]
-        for name in ("fp8kv e4m3 NHD", "fp8kv e4m3 HND", "fp8kv bf16 cache", "dequant+SDPA", "SDPA flash enable_gqa"):
+        for name in ("fp8kv e4m3 NHD", "fp8kv e4m3 HND", "fp8kv bf16 cache", "dequant+SDPA", "SDPA flash"):
             assert cols[name]["rel_err"] < decode.MAX_REL_ERR, (name, cols[name])
             assert cols[name]["graph"]["rel_err"] < decode.MAX_REL_ERR and cols[name]["graph"]["reps"] >= 2
-        assert "error" in cols["SDPA cudnn enable_gqa"]  # no cuDNN on CPU: recorded, the others ran
+        assert "error" in cols["SDPA cudnn"]  # no cuDNN on CPU: recorded, the others ran
         assert row["summary"]["sdpa_best"].startswith("SDPA ") and row["summary"]["fp8kv_graph_us"] > 0
         assert row["targets"]["err<=1e-2"] is True and row["targets"]["<=FI/1.1"] is None
     assert ("SDPA flash expanded" in payload["rows"][0]["columns"]) and ("SDPA flash expanded" not in payload["rows"][1]["columns"])
-    assert "FlashInfer needs CUDA" in printed and "SDPA cudnn enable_gqa" in printed and "targets" in printed
+    assert "FlashInfer needs CUDA" in printed and "SDPA cudnn" in printed and "targets" in printed
 
 
 @needs_fp8kv
@@ -400,7 +400,7 @@ def test_prefill_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path):
     monkeypatch.setattr(prefill, "default_shapes", lambda: shapes)
     payload = run_main(prefill, monkeypatch, tmp_path)
     for row in payload["rows"]:
-        for name in (*prefill.FP8KV_COLUMNS, "SDPA flash enable_gqa", "SDPA default expanded"):
+        for name in (*prefill.FP8KV_COLUMNS, "SDPA flash", "SDPA default expanded"):
             assert row["columns"][name]["rel_err"] < prefill.MAX_REL_ERR, (name, row["columns"][name])
             assert row["columns"][name]["graph"]["rel_err"] < prefill.MAX_REL_ERR
         assert row["targets"]["err<=1e-2"] is True
@@ -521,7 +521,7 @@ def synthetic_decode_row(shape, fp8_graph_us, sdpa_us, fi_us=None, err=2e-3, fp8
     timing = lambda us, rel_err: {"median_us": us + fp8_launch_extra_us, "rel_err": rel_err,
                                   "graph": {"median_us": us, "rel_err": rel_err}}
     cols = {"fp8kv e4m3 NHD": timing(fp8_graph_us, err), "fp8kv e4m3 HND": timing(fp8_graph_us * 1.1, err),
-            "SDPA flash enable_gqa": {"median_us": sdpa_us * 1.2, "rel_err": 1e-3, "graph": {"error": "x"}},
+            "SDPA flash": {"median_us": sdpa_us * 1.2, "rel_err": 1e-3, "graph": {"error": "x"}},
             "SDPA flash expanded": {"median_us": sdpa_us + 3, "rel_err": 1e-3, "graph": {"median_us": sdpa_us}}}
     if fi_us is not None:
         cols["FlashInfer cuda-core NHD"] = {"median_us": fi_us, "rel_err": 1e-3}
@@ -574,7 +574,7 @@ def test_decode_targets_small(shape, sdpa_ratio, ok):
 def test_decode_row_whose_fp8kv_graph_failed_is_not_judged():
     shape = decode.DecodeShape(cases.LLAMA3_8B, 16, 4096)
     cols = {n: {"median_us": 80.0, "rel_err": 1e-3, "graph": {"error": "RuntimeError: capture"}} for n in decode.FP8KV_COLUMNS}
-    cols["SDPA flash enable_gqa"] = {"median_us": 100.0}
+    cols["SDPA flash"] = {"median_us": 100.0}
     row = {"label": shape.label, "fp8_kv_bytes": shape.kv_bytes(1), "large": shape.is_large, "columns": cols}
     row["summary"] = decode.summarize_row(row, CEILINGS)
     assert row["summary"]["fp8kv_launch_us"] == 80.0 and row["summary"]["fp8kv_graph_us"] is None
@@ -594,7 +594,7 @@ def test_decode_row_whose_fp8kv_failed():
 
 def synthetic_prefill_row(kind, fp8_us, flash_us, fi_us=None, decode_us=None, best_sdpa_us=None):
     graph = lambda us: {"median_us": us + 5, "graph": {"median_us": us, "rel_err": 1e-3}, "rel_err": 1e-3}
-    cols = {"fp8kv e4m3 NHD": graph(fp8_us), "SDPA flash enable_gqa": {"median_us": flash_us}}
+    cols = {"fp8kv e4m3 NHD": graph(fp8_us), "SDPA flash": {"median_us": flash_us}}
     if best_sdpa_us is not None:
         cols["SDPA cudnn expanded"] = {"median_us": best_sdpa_us}
     if fi_us is not None:
@@ -619,7 +619,7 @@ def test_prefill_targets(kind, fp8_us, flash_us, fi_us, decode_us, expected):
     names = [">=1.0xSDPAflash", "FI>=1.3x"] + (["<=1.1xdecode"] if kind == "verify" else [])
     assert row["targets"] == dict(zip(names, expected)) | {"err<=1e-2": True}
     s = row["summary"]
-    assert s["sdpa_flash_best"] == "SDPA flash enable_gqa" and s["sdpa_best"] == "SDPA cudnn expanded"
+    assert s["sdpa_flash_best"] == "SDPA flash" and s["sdpa_best"] == "SDPA cudnn expanded"
     assert s["fp8kv_tflops"] == pytest.approx(1e12 / (fp8_us * 1e-6) / 1e12)
     assert "cudnn expanded" in prefill.table([row])
 
@@ -633,7 +633,7 @@ def test_write_and_amax_targets(fraction, ok):
     row = {"label": "w", "bytes": 10**6, "columns": write_cols}
     row["summary"] = write.summarize_row(row, CEILINGS)
     assert write.evaluate_targets(row) == {">=67%copy": ok, "exact": True}
-    assert row["summary"]["vs_torch"] == pytest.approx(0.1)
+    assert row["summary"]["vs_baseline"] == pytest.approx(0.1)
     amax_cols = {amax.FP8KV_COLUMN: {"median_us": us + 5, "exact": True, "graph": graph},
                  amax.TORCH_COLUMN: {"median_us": 2 * us}}
     row = {"label": "a", "bytes": 10**6, "columns": amax_cols}
