@@ -20,7 +20,7 @@ apache-tvm-ffi must be importable by this Python, e.g.
 
     python -m pip download --no-deps flashinfer-python==0.7.2.post1 -d /tmp/fi
     PYTHONPATH=/tmp/fi-host python benchmarks/flashinfer_wheel.py \
-        --wheel /tmp/fi/flashinfer_python-0.7.2.post1-py3-none-any.whl --out .whl
+        --wheel /tmp/fi/flashinfer_python-0.7.2.post1-py3-none-any.whl --out dist/flashinfer
 """
 
 from __future__ import annotations

@@ -4,38 +4,38 @@
 #   all.log                          everything printed; each benchmark's table ends its section
 #   <benchmark>.json                 every measurement (paged_attention, prefill, reshape_and_cache, kv_amax)
 #   paged_attention.png, prefill.png the attention plots (any JSON: python benchmarks/plot.py X.json)
-# FlashInfer is optional: it is used when importable, else from the wheels in .whl/ if there are
-# any (e.g. the trimmed wheel of benchmarks/flashinfer_wheel.py, for machines without network).
 # Usage, from anywhere:
-#   bash benchmarks/run_all.sh [--quick] [--no-build]
-# --quick runs the benchmarks' short shape lists; --no-build uses the fp8kv already installed.
+#   bash benchmarks/run_all.sh [--quick] [--no-build] [--wheels DIR]
+# --quick runs the benchmarks' short shape lists; --no-build uses the fp8kv already installed;
+# --wheels DIR installs the wheels in DIR first, without network (e.g. the trimmed FlashInfer wheel
+# of benchmarks/flashinfer_wheel.py and apache-tvm-ffi). FlashInfer's columns run when it imports.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out/benchmarks}"
 QUICK=""
 BUILD=1
-for arg in "$@"; do
-  case "$arg" in
+WHEELS=""
+while [ $# -gt 0 ]; do
+  case "$1" in
     --quick) QUICK="--quick" ;;
     --no-build) BUILD=0 ;;
-    *) echo "unknown argument: $arg" >&2; exit 2 ;;
+    --wheels) WHEELS="${2:?--wheels needs a directory}"; shift ;;
+    *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
+  shift
 done
+if [ -n "$WHEELS" ] && ! compgen -G "$WHEELS/*.whl" > /dev/null; then
+  echo "--wheels $WHEELS: no .whl files there" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-install_flashinfer_wheels() {
-  if python3 -c "import flashinfer" 2>/dev/null; then
-    return
-  fi
-  if ! compgen -G ".whl/*.whl" > /dev/null; then
-    echo "FlashInfer is not installed and .whl/ holds no wheels: FlashInfer's columns will be left out"
-    return
-  fi
+install_wheels() {  # into a private folder put first on PYTHONPATH; no network, no dependencies
   local site=/tmp/fp8kv-bench-site
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$WHEELS"/*.whl \
     && export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" \
-    || echo "installing .whl/*.whl failed: FlashInfer's columns will say why"
+    || echo "installing $WHEELS/*.whl failed: FlashInfer's columns will say why"
 }
 
 build_fp8kv() {  # README.md, Install
@@ -57,13 +57,15 @@ run() {  # name, command...: runs it between two marked lines, returns its statu
 }
 
 main() {
-  install_flashinfer_wheels
+  if [ -n "$WHEELS" ]; then install_wheels; fi
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   if [ "$BUILD" = 1 ]; then
     run build build_fp8kv || { echo "the fp8kv build failed"; return 1; }
   fi
   if python3 -c "import flashinfer" 2>/dev/null; then
     run flashinfer_smoke python3 benchmarks/flashinfer_baseline.py
+  else
+    echo "FlashInfer does not import: its columns will be left out"
   fi
   for bench in paged_attention prefill; do
     run "$bench" python3 "benchmarks/bench_$bench.py" $QUICK --json "$OUT/$bench.json" --png "$OUT/$bench.png"
