@@ -77,8 +77,11 @@ def test_demo_lists_only_the_formats_it_accepts(capsys):
 
 
 def test_missing_transformers_says_what_to_install(monkeypatch, capsys, tmp_path):
+    import fp8kv
+
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers raises ModuleNotFoundError
-    monkeypatch.delitem(sys.modules, "fp8kv.demo", raising=False)
+    monkeypatch.delitem(sys.modules, "fp8kv.demo", raising=False)  # imported afresh, or not at all
+    monkeypatch.delattr(fp8kv, "demo", raising=False)
     status, _, err = run(["demo"], capsys)
     assert status == 1
     assert err == ('fp8kv demo: error: needs the transformers package: install fp8kv with its [hf] extra: '
@@ -298,3 +301,13 @@ def check_program(command: list[str], prog: str, cases) -> None:
         assert "Traceback" not in result.stderr + result.stdout
         if error is not None:
             assert result.stderr.startswith(f"{prog} {error}") and result.stderr.count("\n") == 1, result.stderr
+
+
+# ----------------------------------------------------------------------------- package surface
+
+
+def test_ops_module_lists_only_the_ops():
+    import fp8kv.ops
+
+    assert dir(fp8kv.ops) == ["kv_amax", "paged_attention", "reshape_and_cache"]
+    assert all(callable(getattr(fp8kv.ops, name)) for name in fp8kv.ops.__all__)
