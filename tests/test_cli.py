@@ -268,6 +268,24 @@ def test_inspect_reports_a_loader_error_in_one_line(monkeypatch, tmp_path, capsy
     assert "config.json: cannot read: Input/output error" in err
 
 
+# ----------------------------------------------------------------------------- evaluate
+
+
+def test_evaluate_runs_fp8kv_evaluate(monkeypatch, tmp_path):
+    import fp8kv.evaluate
+
+    seen = []
+    monkeypatch.setattr(fp8kv.evaluate, "run", lambda args: seen.append(args) or 7)
+    assert main(["evaluate", "--model", str(tmp_path), "--data", "a.txt", "b.txt", "--seq-len", "64"]) == 7
+    assert (seen[0].model, seen[0].data, seen[0].seq_len) == (str(tmp_path), ["a.txt", "b.txt"], 64)
+
+
+def test_evaluate_errors_are_one_line(tmp_path, capsys):
+    status, out, err = run(["evaluate", "--model", str(tmp_path), "--data", str(tmp_path / "nowhere.txt")], capsys)
+    assert status == 1 and out == ""
+    assert err.startswith("fp8kv evaluate: error: --data: ") and err.count("\n") == 1, err
+
+
 # ----------------------------------------------------------------------------- as a program
 
 

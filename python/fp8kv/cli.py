@@ -331,10 +331,20 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluate(args: argparse.Namespace) -> int:
+    from . import evaluate
+
+    try:
+        return evaluate.run(args)
+    except (OSError, ValueError) as e:  # its bad arguments and files, each message naming the argument
+        raise CommandError(_describe(e)) from e
+
+
 # ----------------------------------------------------------------------------- parser and dispatch
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
+    from . import evaluate
     from .formats import KVCacheDtype
 
     parser = _Parser(prog=prog, description="FP8 KV cache for transformer inference.")
@@ -386,6 +396,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                        help="model dtype (default: the checkpoint's)")
     calib.add_argument("--no-progress", action="store_true", help="no progress bar")
     calib.set_defaults(run=_calibrate, parser=calib)
+
+    evaluation = commands.add_parser("evaluate", help="score FP8 KV caches against the model's own attention on "
+                                     "real text (perplexity, KL, top-1, per-layer error)")
+    evaluate.add_arguments(evaluation)
+    evaluation.set_defaults(run=_evaluate, parser=evaluation)
     return parser
 
 
