@@ -27,7 +27,8 @@ from safetensors import safe_open
 pytest.importorskip("transformers")
 from test_calibration import random_amax, source_checkpoint  # noqa: E402
 
-from fp8kv.calibration import commit, export_checkpoint, export_legacy_json  # noqa: E402
+from fp8kv import commit  # noqa: E402
+from fp8kv.calibration import export_checkpoint, export_legacy_json  # noqa: E402
 from fp8kv.checkpoint import (CheckpointError, checkpoint_tensor_names, load_kv_cache_config,  # noqa: E402
                               read_checkpoint_scales)
 from fp8kv.formats import KVCacheDtype  # noqa: E402

@@ -15,13 +15,12 @@ Modules, bottom to top:
   every layer's K (after rotary embedding, exactly as it is cached) and V.
 - `data`: `text_sequences` (a text file and the model's tokenizer) or `token_id_sequences` (a file
   of ids), cut by `make_batches`.
-- `commit`: writes several files into a directory all or nothing (temporaries, a journal as the
-  commit point, recovery of an interrupted export).
 - `export`: `export_checkpoint` writes the scales as `P.k_scale` / `P.v_scale` float32 tensors in
   the shapes llm-compressor writes ([1] per tensor, [num_kv_heads, 1, 1] per head), in an added
   shard registered in the index (sharded checkpoints) or in model.safetensors (single-file ones),
   and declares them in config.json as a compressed-tensors `kv_cache_scheme`;
-  `export_legacy_json` writes the legacy kv_cache_scales.json.
+  `export_legacy_json` writes the legacy kv_cache_scales.json. Both write all or nothing through
+  `fp8kv.commit` (whose journal the checkpoint loader also reads: a committed export reads as done).
 """
 
 from .data import make_batches, text_sequences, token_id_sequences

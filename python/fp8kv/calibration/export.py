@@ -1,6 +1,6 @@
 """Writing scales into a checkpoint (`export_checkpoint`) or a legacy JSON file (`export_legacy_json`).
 
-This module decides what is written where; `commit` writes it, all or nothing.
+This module decides what is written where; `fp8kv.commit` writes it, all or nothing.
 """
 
 from __future__ import annotations
@@ -17,11 +17,10 @@ from typing import Iterable
 
 import torch
 
-from .. import distributed
+from .. import commit, distributed
 from ..checkpoint import (CONFIG_FILE, INDEX_FILE, CheckpointError, checkpoint_tensor_names, format_ranges,
                           read_checkpoint_scales)
 from ..formats import KVCacheConfig, KVCacheDtype
-from . import commit
 
 SCALES_FILE = "kv_cache_scales.safetensors"
 SINGLE_FILE = "model.safetensors"
@@ -43,7 +42,7 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     quantization_config when there is none) and, for e4m3fnuz scales, `kv_cache_torch_dtype`.
     module_template: the attention module of layer {} (e.g. 'model.layers.{}.self_attn'); found from
         the k_proj / qkv_proj weight names when omitted.
-    The export is all-or-nothing. In place, the changed files are committed together (see `commit`):
+    The export is all-or-nothing. In place, the changed files are committed together (see `fp8kv.commit`):
     after a crash the checkpoint is the old or the new one, and running the export again finishes
     or redoes it (exporting the scales a checkpoint already holds does nothing). A copy is made in
     a temporary sibling of out_dir, renamed to out_dir once complete.
