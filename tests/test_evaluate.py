@@ -1,0 +1,364 @@
+"""fp8kv.evaluate: metrics against float64 references, the evaluation loop against an independent
+re-computation on a tiny random Llama, the unquantized paged cache against transformers' SDPA,
+exact K/V rescaling, and argument validation of `python -m fp8kv evaluate`."""
+
+import argparse
+import math
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fp8kv import evaluate as ev  # noqa: E402
+from fp8kv.calibration import calibrate  # noqa: E402
+from fp8kv.integrations.transformers import PagedCache, enable  # noqa: E402
+
+# Tiny models: one CPU thread (conftest.py says why).
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+VOCAB, HIDDEN, HEADS = 64, 256, 4
+
+
+def tiny_llama(dtype=torch.bfloat16, seed: int = 0, layers: int = 2):
+    """A random-weight Llama: 4 query heads and 2 KV heads of 64 (the CUDA kernels' head size), 64 tokens."""
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512,
+                                      num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=2,
+                                      max_position_embeddings=256)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).to(dtype).eval()
+
+
+def windows(count: int = 2, length: int = 40, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (count, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def float64_scores(logits: np.ndarray, reference: np.ndarray, targets: np.ndarray) -> dict:
+    """Perplexities, mean KL(reference || logits) and top-1 agreement, written out in float64."""
+    def log_softmax(x):
+        shifted = x - x.max(-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+    log_q, log_p = log_softmax(logits.astype(np.float64)), log_softmax(reference.astype(np.float64))
+    rows = np.arange(len(targets))
+    return dict(perplexity=math.exp(-log_q[rows, targets].mean()),
+                reference_perplexity=math.exp(-log_p[rows, targets].mean()),
+                kl=float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean()),
+                top1=float((logits.argmax(-1) == reference.argmax(-1)).mean()))
+
+
+def test_logit_scores_match_float64_reference():
+    # 600 rows: several of LogitScores' 256-row chunks, added in two calls (two windows).
+    generator = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(600, 11, generator=generator)
+    reference = logits + 0.5 * torch.randn(600, 11, generator=generator)
+    targets = torch.randint(0, 11, (600,), generator=generator)
+    scores = ev.LogitScores()
+    scores.add(logits[:250], reference[:250], targets[:250])
+    scores.add(logits[250:], reference[250:], targets[250:])
+    expected = float64_scores(logits.numpy(), reference.numpy(), targets.numpy())
+    assert scores.count == 600
+    # float64 sums of 600 terms: agreement to ~1e-15 relative; 1e-12 leaves room for summation order.
+    assert scores.perplexity == pytest.approx(expected["perplexity"], rel=1e-12)
+    assert scores.reference_perplexity == pytest.approx(expected["reference_perplexity"], rel=1e-12)
+    assert scores.mean_kl == pytest.approx(expected["kl"], rel=1e-12)
+    assert 0 < expected["top1"] < 1 and scores.top1 == expected["top1"]
+
+
+def test_logit_scores_of_known_distributions():
+    # Uniform predictions: perplexity is exactly the vocabulary size. Identical logits: KL 0, top-1 1.
+    scores = ev.LogitScores()
+    scores.add(torch.zeros(5, 7), torch.zeros(5, 7), torch.arange(5))
+    assert scores.perplexity == pytest.approx(7.0, rel=1e-14) and scores.mean_kl == 0.0 and scores.top1 == 1.0
+    logits = torch.tensor([[0.0, math.log(3.0)]], dtype=torch.float64)  # q = (1/4, 3/4); p = (1/2, 1/2)
+    scores = ev.LogitScores()
+    scores.add(logits, torch.zeros(1, 2), torch.tensor([1]))
+    assert scores.perplexity == pytest.approx(4 / 3, rel=1e-14)
+    assert scores.mean_kl == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3), rel=1e-14)
+    assert scores.top1 == 0.0  # argmax 1 vs argmax 0 (ties take the first index)
+
+
+def test_layer_errors_match_float64_reference():
+    generator = torch.Generator().manual_seed(1)
+    outputs = [[torch.randn(3, 5, generator=generator) for _ in range(2)] for _ in range(2)]  # [window][layer]
+    references = [[torch.randn(3, 5, generator=generator) for _ in range(2)] for _ in range(2)]
+    errors = ev.LayerErrors(2)
+    for window in range(2):
+        for layer in range(2):
+            errors.add(layer, outputs[window][layer].bfloat16(), references[window][layer].bfloat16())
+    for layer, got in enumerate(errors.relative()):
+        out = np.concatenate([outputs[w][layer].bfloat16().double().numpy().ravel() for w in range(2)])
+        ref = np.concatenate([references[w][layer].bfloat16().double().numpy().ravel() for w in range(2)])
+        assert got == pytest.approx(np.linalg.norm(out - ref) / np.linalg.norm(ref), rel=1e-13)
+
+
+def test_token_windows():
+    ids = list(range(100))
+    assert ev.token_windows(ids, 10, 3, bos=7).tolist() == [[7, *range(0, 9)], [7, *range(9, 18)],
+                                                            [7, *range(18, 27)]]
+    assert ev.token_windows(ids, 10, 2, bos=None).tolist() == [list(range(10)), list(range(10, 20))]
+    assert ev.token_windows(ids, 50, 2, bos=None).shape == (2, 50)  # exactly enough
+    with pytest.raises(ValueError, match=r"--data: the text has 100 tokens; 3 windows \(--windows\) of 50 tokens "
+                       r"\(--seq-len\) need 147"):
+        ev.token_windows(ids, 50, 3, bos=0)
+
+
+# ----------------------------------------------------------------------------- the evaluation loop
+
+
+def independent_scores(model, tokens, kv_cache):
+    """The evaluation written out again: SDPA logits and attention outputs (own hooks), then the
+    paged cache's, scored in float64 with numpy."""
+    captured = {}
+    layers = [layer.self_attn for layer in model.model.layers]
+    handles = [m.register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out[0].double().numpy()))
+               for i, m in enumerate(layers)]
+    logits, references, outputs, ref_outputs = [], [], [], []
+    try:
+        with torch.no_grad():
+            for window in tokens:
+                model.set_attn_implementation("sdpa")
+                references.append(model(window[None]).logits[0, :-1].float().numpy())
+                ref_outputs.append(dict(captured))
+                enable(model)
+                logits.append(model(window[None], past_key_values=PagedCache(kv_cache, max_tokens=len(window)))
+                              .logits[0, :-1].float().numpy())
+                outputs.append(dict(captured))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.set_attn_implementation("sdpa")
+    scores = float64_scores(np.concatenate(logits), np.concatenate(references),
+                            np.concatenate([w[1:].numpy() for w in tokens]))
+    scores["layer_errors"] = [
+        np.sqrt(sum(np.square(o[i] - r[i]).sum() for o, r in zip(outputs, ref_outputs))
+                / sum(np.square(r[i]).sum() for r in ref_outputs)) for i in range(len(layers))]
+    return scores
+
+
+def test_evaluate_model_matches_an_independent_computation():
+    model, tokens = tiny_llama(), windows()
+    configs = ev.kv_cache_configs(model, tokens, ["e4m3", "e5m2"], progress=False)
+    result = ev.evaluate_model(model, tokens, configs, progress=False)
+    assert [c.name for c in result.caches] == ["auto", "e4m3", "e5m2"]
+    assert result.tokens == 2 * 39 and (result.windows, result.seq_len) == (2, 40)
+    assert model.config._attn_implementation == "sdpa"  # restored
+    for cache in result.caches:
+        expected = independent_scores(model, tokens, configs[cache.name])
+        # Same bf16 forward passes (deterministic on one CPU thread); float64 metrics differ only in
+        # summation order.
+        assert result.reference_perplexity == pytest.approx(expected["reference_perplexity"], rel=1e-10)
+        assert cache.perplexity == pytest.approx(expected["perplexity"], rel=1e-10)
+        assert cache.kl == pytest.approx(expected["kl"], rel=1e-8)
+        assert cache.top1 == expected["top1"]
+        assert cache.layer_errors == pytest.approx(expected["layer_errors"], rel=1e-10)
+    # The FP8 formats lose more than the unquantized cache, e5m2 (2 mantissa bits) more than e4m3 (3).
+    auto, e4m3, e5m2 = result.caches
+    assert auto.kl < e4m3.kl < e5m2.kl
+    assert all(a < b < c for a, b, c in zip(auto.layer_errors, e4m3.layer_errors, e5m2.layer_errors))
+
+
+@pytest.mark.parametrize("dtype, unit_roundoff", [(torch.bfloat16, 2.0**-8), (torch.float16, 2.0**-11)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_unquantized_paged_cache_reproduces_sdpa(dtype, unit_roundoff, seed):
+    # With o_proj the identity, the first layer's module output is its attention output. Its q/k/v
+    # are bit-identical in both runs and both attentions compute in fp32, so they differ by the
+    # rounding of the output to the model's dtype: a relative error below one unit roundoff u
+    # (measured 0.47u for bf16 and fp16 over 3 seeds). Deeper layers add what earlier layers pass on.
+    model = tiny_llama(dtype, seed)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight.data = torch.eye(HIDDEN, dtype=dtype)
+    tokens = windows(2, 64, seed)
+    result = ev.evaluate_model(model, tokens, ev.kv_cache_configs(model, tokens, [], progress=False), progress=False)
+    (auto,) = result.caches
+    assert auto.layer_errors[0] < unit_roundoff
+    assert max(auto.layer_errors) < 2 * unit_roundoff
+    # Next-token distributions: KL measured <= 8.7e-7 (bf16) and 1.5e-8 (fp16); 16 x that at most.
+    assert auto.kl < 16 * (8.7e-7 if dtype == torch.bfloat16 else 1.5e-8)
+    assert abs(auto.perplexity / result.reference_perplexity - 1) < 16 * unit_roundoff
+
+
+def test_per_tensor_maxima_equal_per_tensor_calibration():
+    model, tokens = tiny_llama(), windows()
+    batches = [w[None] for w in tokens]
+    per_head = calibrate(model, batches, granularity="head", progress=False)
+    assert ev.per_tensor(per_head) == calibrate(model, batches, granularity="tensor", progress=False)
+
+
+# ----------------------------------------------------------------------------- when calibration matters
+
+
+@pytest.mark.parametrize("k_factor, v_factor", [(2.0**12, 1.0), (1.0, 2.0**-12)])
+def test_rescaled_kv_breaks_unit_scales_and_not_calibrated_ones(k_factor, v_factor):
+    def sharp_llama():
+        # Random weights attend almost uniformly, so K would hardly matter: queries x16 (exact) make
+        # the attention as selective as a trained model's.
+        model = tiny_llama()
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.data *= 16
+        return model
+
+    tokens = windows()
+    names = ["e4m3", "e4m3-tensor", "e4m3-head"]
+    original = sharp_llama()
+    base = ev.evaluate_model(original, tokens, ev.kv_cache_configs(original, tokens, names, progress=False),
+                             progress=False)
+    model = ev.rescale_kv(sharp_llama(), k_factor, v_factor)
+    result = ev.evaluate_model(model, tokens, ev.kv_cache_configs(model, tokens, names, progress=False),
+                               progress=False)
+    # Powers of two: the model computes bit for bit what it computed before ...
+    assert result.reference_perplexity == base.reference_perplexity
+    assert result.cache("auto") == base.cache("auto")
+    # ... and calibrated scales move by the same power of two, so the FP8 cache holds the same codes.
+    for name in ("e4m3-tensor", "e4m3-head"):
+        assert result.cache(name) == base.cache(name)
+    # Scale 1: K x 4096 saturates at 448, V / 4096 falls below e4m3's smallest subnormal (2^-9).
+    unit, calibrated = result.cache("e4m3"), result.cache("e4m3-tensor")
+    assert unit.kl > 10 * calibrated.kl
+    assert min(unit.layer_errors) > 5 * max(calibrated.layer_errors)
+
+
+def test_rescale_kv_refuses_inexact_factors():
+    model = tiny_llama()
+    for bad in (3.0, 0.0, -2.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="k_factor must be a positive power of two"):
+            ev.rescale_kv(model, bad, 1.0)
+    with pytest.raises(ValueError, match="v_factor must be a positive power of two"):
+        ev.rescale_kv(model, 1.0, 0.3)
+
+
+# ----------------------------------------------------------------------------- the command's arguments
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A tiny Llama checkpoint directory with a word-level tokenizer (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<bos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 2)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", unk_token="<unk>")
+    model = tiny_llama(torch.float32)
+    model.save_pretrained(tmp_path / "model")
+    fast.save_pretrained(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{(7 * i) % (VOCAB - 2)}" for i in range(400)) + "\n")
+    return tmp_path / "model", text
+
+
+def run_cli(argv):
+    parser = argparse.ArgumentParser()
+    ev.add_arguments(parser)
+    return ev.run(parser.parse_args(argv))
+
+
+def test_command_prints_table_and_writes_json(checkpoint, tmp_path, capsys):
+    import json
+
+    model_dir, text = checkpoint
+    out = tmp_path / "result.json"
+    assert run_cli(["--model", str(model_dir), "--data", str(text), "--seq-len", "32", "--windows", "3",
+                    "--kv-cache-dtype", "e4m3", "e4m3-head", "--device", "cpu", "--json", str(out),
+                    "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "3 windows x 32 tokens (93 predicted), bfloat16 on CPU" in printed
+    for label in ("unquantized (model dtype)", "e4m3, scale 1", "e4m3, calibrated per head"):
+        assert f"| {label} |" in printed
+    saved = json.loads(out.read_text())
+    assert [c["name"] for c in saved["caches"]] == ["auto", "e4m3", "e4m3-head"]
+    assert saved["setup"]["data"] == [str(text)] and len(saved["caches"][0]["layer_errors"]) == 2
+
+
+def test_command_plots_layer_errors(checkpoint, tmp_path):
+    pytest.importorskip("matplotlib")
+    model_dir, text = checkpoint
+    png = tmp_path / "layers.png"
+    run_cli(["--model", str(model_dir), "--data", str(text), "--seq-len", "16", "--windows", "1",
+             "--kv-cache-dtype", "e5m2", "--device", "cpu", "--png", str(png), "--no-progress"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seq-len", "1"], "--seq-len: must be an integer >= 2, got 1"),
+    (["--windows", "0"], "--windows: must be an integer >= 1, got 0"),
+    (["--seq-len", "300"], r"--seq-len: 300 is beyond the model's max_position_embeddings \(256\)"),
+    (["--windows", "40"], r"--data: the text has 400 tokens; 40 windows \(--windows\) of 16 tokens"),
+    (["--kv-cache-dtype", "e4m3", "fp9"], r"--kv-cache-dtype: unknown cache\(s\) 'fp9'"),
+    (["--kv-cache-dtype", "e4m3-checkpoint"], "--kv-cache-dtype e4m3-checkpoint: .* has no KV cache scales; pass "
+     "--scales"),
+    (["--device", "meta"], "--device: fp8kv runs on cpu or cuda"),
+    (["--device", "nonsense"], "--device: not a device"),
+    (["--dtype", "float32"], None),  # argparse refuses it (choices): a usage error, exit status 2
+])
+def test_bad_arguments_are_refused_before_loading_the_model(checkpoint, monkeypatch, extra, message):
+    model_dir, text = checkpoint
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded before the arguments were checked"))
+    argv = ["--model", str(model_dir), "--data", str(text), "--seq-len", "16", "--device", "cpu", *extra]
+    if message is None:
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(argv)
+        assert exit_info.value.code == 2
+        return
+    with pytest.raises(ValueError, match=message):
+        run_cli(argv)
+
+
+def test_bad_paths_are_refused_with_the_option_named(checkpoint, tmp_path, monkeypatch):
+    model_dir, text = checkpoint
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded before the arguments were checked"))
+    base = ["--model", str(model_dir), "--data", str(text)]
+    cases = [
+        (["--model", str(tmp_path), "--data", str(text)], "--model: .* is not a checkpoint directory"),
+        (["--model", str(model_dir), "--data", str(text), str(tmp_path / "missing.txt")],
+         r"--data: text file\(s\) not found: .*missing.txt"),
+        ([*base, "--json", str(tmp_path / "no" / "r.json")], "--json: cannot write .*: no directory"),
+        ([*base, "--png", str(tmp_path)], "--png: cannot write .*: it is a directory"),
+        ([*base, "--scales", str(model_dir)], "--scales: .* has no KV cache scales"),
+        ([*base, "--scales", str(tmp_path / "nowhere")], "--scales: .* is not a checkpoint directory"),
+    ]
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    cases.append((["--model", str(model_dir), "--data", str(empty)], r"--data: text file\(s\) holding no text"))
+    for argv, message in cases:
+        with pytest.raises(ValueError, match=message):
+            run_cli(argv)
+
+
+def test_png_without_matplotlib_names_the_package(checkpoint, tmp_path, monkeypatch):
+    model_dir, text = checkpoint
+    real_find_spec = ev.importlib.util.find_spec
+    monkeypatch.setattr(ev.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match="--png needs the Python package 'matplotlib'"):
+        run_cli(["--model", str(model_dir), "--data", str(text), "--png", str(tmp_path / "x.png")])
+
+
+def test_checkpoint_scales_are_used_and_checked(checkpoint, tmp_path):
+    from fp8kv.calibration import export_checkpoint
+
+    model_dir, text = checkpoint
+    model, tokens = tiny_llama(), windows()
+    kv_cache = calibrate(model, [w[None] for w in tokens], granularity="head", progress=False).scales()
+    with_scales = export_checkpoint(model_dir, tmp_path / "with_scales", kv_cache)
+    plan = ev.prepare(model_dir, text.read_text(), ["e4m3-checkpoint"], seq_len=16, windows=2, scales=with_scales,
+                      device="cpu")
+    assert plan.checkpoint_scales.k_scales == kv_cache.k_scales and plan.caches == ("e4m3-checkpoint",)
+    # The model's own scales are found without --scales, and the default caches then include them.
+    assert "e4m3-checkpoint" in ev.prepare(with_scales, text.read_text(), seq_len=16, windows=2).caches
+    assert "e4m3-checkpoint" not in ev.prepare(model_dir, text.read_text(), seq_len=16, windows=2).caches
+    # Scales of another geometry are refused.
+    other = tmp_path / "other"
+    bigger = tiny_llama(torch.float32, layers=3)
+    bigger.save_pretrained(other)
+    three_layers = calibrate(bigger, [tokens[0][None]], progress=False).scales()
+    export_checkpoint(other, tmp_path / "other_scales", three_layers)
+    with pytest.raises(ValueError, match="--scales: .* has scales for 3 layers x \\[1\\] heads; the model has 2 "
+                       "layers and 2 KV heads"):
+        ev.prepare(model_dir, text.read_text(), seq_len=16, windows=2, scales=tmp_path / "other_scales")
