@@ -174,8 +174,9 @@ def _uncalibrated_checkpoint(text: str) -> pathlib.Path:
     if found.problems:
         raise argparse.ArgumentTypeError("; ".join(str(p) for p in found.problems))
     if found.has_scales or found.declared:
-        raise argparse.ArgumentTypeError(f"{text} already has KV cache scales ({', '.join(found.forms + found.declared)}"
-                                         "); calibrate from the checkpoint without them")
+        held = ", ".join(found.forms + found.declared)
+        raise argparse.ArgumentTypeError(f"{text} already has KV cache scales ({held}); calibrate from the checkpoint "
+                                         "without them")
     try:
         scales_file(text)
     except ValueError as e:
@@ -345,6 +346,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 def _parser(prog: str) -> argparse.ArgumentParser:
     from . import evaluate
+    from .calibration import GRANULARITIES, ZERO_AMAX_POLICIES
     from .formats import KVCacheDtype
 
     parser = _Parser(prog=prog, description="FP8 KV cache for transformer inference.")
@@ -373,10 +375,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     calib.add_argument("--model", required=True, type=_uncalibrated_checkpoint,
                        help="local checkpoint directory (transformers causal LM) without KV cache scales")
     calib.add_argument("--data", required=True, type=_input_file, help="text file (tokenized with the model's "
-                       "tokenizer), or with --token-ids a file of whitespace-separated token ids, one sequence per line")
+                       "tokenizer), or with --token-ids a file of whitespace-separated token ids, one sequence per "
+                       "line")
     calib.add_argument("--out", required=True, type=_output_directory, help="new or empty directory for the "
                        "checkpoint with scales, or the --model directory itself to add the scales in place")
-    calib.add_argument("--granularity", choices=("tensor", "head"), default="tensor",
+    calib.add_argument("--granularity", choices=GRANULARITIES, default="tensor",
                        help="one scale per layer (default), or one per KV head")
     calib.add_argument("--token-ids", action="store_true", help="--data holds token ids, not text")
     calib.add_argument("--seq-len", type=_positive_int, default=2048, help="tokens per sequence (default 2048)")
@@ -387,7 +390,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                        "e4m3fnuz caches double them on load, e5m2 caches use them as they are)")
     calib.add_argument("--margin", type=_margin, default=1.0,
                        help="scale = amax * margin / max_finite; a finite number >= 1 (default 1.0)")
-    calib.add_argument("--zero-amax", choices=("error", "unit"), default="error",
+    calib.add_argument("--zero-amax", choices=ZERO_AMAX_POLICIES, default="error",
                        help="an all-zero K/V head or layer: error (default), or scale 1.0 with a warning")
     calib.add_argument("--legacy-json", type=_output_file,
                        help="also write the legacy kv_cache_scales.json here (per tensor)")

@@ -154,7 +154,8 @@ def _report(runs: dict, forced: dict, fmt: KVCacheDtype, prompt_len: int) -> str
     top1 = (forced[fmt.value]["logits"].argmax(-1) == bf16["tokens"][:, generated].T).float().mean().item()
     lines = ["", f"{'KV cache':>16} {'KV bytes':>12} {'prefill s':>10} {'decode tok/s':>13}"]
     for name, run in runs.items():
-        lines.append(f"{name:>16} {run['cache_bytes']:>12,} {run['prefill_s']:>10.3f} {run['decode_tokens_per_s']:>13.1f}")
+        lines.append(f"{name:>16} {run['cache_bytes']:>12,} {run['prefill_s']:>10.3f} "
+                     f"{run['decode_tokens_per_s']:>13.1f}")
     lines += [
         "",
         f"{fmt.value} cache compared with the bf16 cache:",
