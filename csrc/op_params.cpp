@@ -30,8 +30,8 @@ DType to_dtype(c10::ScalarType t) {
 constexpr int64_t kMaxInt32 = std::numeric_limits<int32_t>::max();
 constexpr int64_t kMaxTokensPerSequence = int64_t{1} << 30;
 
-void check_int32(const char* op, const char* what, int64_t value) {
-  TORCH_CHECK(value <= kMaxInt32, op, ": ", what, " = ", value, " exceeds the int32 limit ", kMaxInt32);
+void check_int32(const char* op, const char* name, const char* what, int64_t value) {
+  TORCH_CHECK(value <= kMaxInt32, op, ": `", name, "` ", what, " = ", value, " exceeds the int32 limit ", kMaxInt32);
 }
 
 // A double scalar that the kernels read as float32: finite, > 0 and still > 0 and finite in float32.
@@ -187,7 +187,7 @@ CacheView cache_view(const char* op, const char* name, const at::Tensor& cache) 
   check_last_dim_contiguous(op, name, cache);
   TORCH_CHECK(cache.size(0) > 0 && cache.size(1) > 0 && cache.size(2) > 0 && cache.size(3) > 0, op, ": `", name,
               "` must have non-empty dimensions, got shape ", cache.sizes());
-  for (int64_t d = 0; d < 4; ++d) check_int32(op, "a cache dimension", cache.size(d));
+  for (int64_t d = 0; d < 4; ++d) check_int32(op, name, "dimension", cache.size(d));
   return CacheView{cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
 }
 
@@ -209,8 +209,8 @@ void check_key_value(const char* op, const at::Tensor& key, const at::Tensor& va
   check_last_dim_contiguous(op, "key", key);
   TORCH_CHECK(key.size(1) > 0 && key.size(2) > 0, op, ": `key` must have num_kv_heads >= 1 and head_size >= 1, got ",
               "shape ", key.sizes());
-  check_int32(op, "`key` num_kv_heads", key.size(1));
-  check_int32(op, "`key` head_size", key.size(2));
+  check_int32(op, "key", "num_kv_heads", key.size(1));
+  check_int32(op, "key", "head_size", key.size(2));
   TORCH_CHECK(value.sizes() == key.sizes(), op, ": `value` must have the shape of `key` ", key.sizes(), ", got ",
               value.sizes());
   TORCH_CHECK(value.scalar_type() == t, op, ": `value` must have the dtype of `key` (", t, "), got ",
@@ -309,7 +309,7 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
   check_last_dim_contiguous(op, "block_tables", block_tables);
   check_same_device(op, "block_tables", block_tables, query, "query");
   const int64_t num_seqs = block_tables.size(0);
-  check_int32(op, "`block_tables` num_seqs", num_seqs);
+  check_int32(op, "block_tables", "num_seqs", num_seqs);
   TORCH_CHECK(block_tables.size(1) <= kMaxTokensPerSequence / key_cache.size(1), op,
               ": `block_tables` rows cover max_blocks_per_seq * block_size = ", block_tables.size(1), " * ",
               key_cache.size(1), " tokens; at most ", kMaxTokensPerSequence, " tokens per sequence are supported");
