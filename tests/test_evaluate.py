@@ -362,3 +362,16 @@ def test_checkpoint_scales_are_used_and_checked(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="--scales: .* has scales for 3 layers x \\[1\\] heads; the model has 2 "
                        "layers and 2 KV heads"):
         ev.prepare(model_dir, text.read_text(), seq_len=16, windows=2, scales=tmp_path / "other_scales")
+
+
+def test_evaluation_text_concatenates_like_cat_and_names_missing_files(tmp_path):
+    from fp8kv.models import evaluation_text
+
+    first, second = tmp_path / "a.txt", tmp_path / "b.txt"
+    first.write_text("one\ntwo\n")
+    second.write_text("three")
+    assert evaluation_text([first, second]) == "one\ntwo\nthree"
+    with pytest.raises(FileNotFoundError, match=r"not found: .*missing1.*, .*missing2"):
+        evaluation_text([first, tmp_path / "missing1", tmp_path / "missing2"])
+    with pytest.raises(ValueError, match="no text files given"):
+        evaluation_text([])

@@ -444,23 +444,30 @@ def evaluate(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows:
     Raises ValueError (or CheckpointError) naming the command-line option for bad arguments,
     before the model's weights are loaded.
     """
-    from transformers import AutoModelForCausalLM
-
     plan = prepare(model_dir, text, caches, seq_len=seq_len, windows=windows, scales=scales, device=device,
                    dtype=dtype)
+    model = load_model(plan)
+    kv_caches = kv_cache_configs(model, plan.windows, plan.caches, checkpoint_scales=plan.checkpoint_scales,
+                                 progress=progress)
+    return evaluate_model(model, plan.windows, kv_caches, progress=progress,
+                          setup={"model": str(plan.model_dir), **(setup or {}), **environment(plan)})
+
+
+def load_model(plan: _Plan):
+    """The plan's model in its dtype on its device, in eval mode with transformers' SDPA attention."""
+    from transformers import AutoModelForCausalLM
+
     try:
         model = AutoModelForCausalLM.from_pretrained(plan.model_dir, dtype=plan.dtype)
     except (OSError, ImportError) as e:
         raise ValueError(f"--model: transformers cannot load {plan.model_dir}: {e}") from None
     model = model.to(plan.device).eval()
     model.set_attn_implementation("sdpa")
-    kv_caches = kv_cache_configs(model, plan.windows, plan.caches, checkpoint_scales=plan.checkpoint_scales,
-                                 progress=progress)
-    return evaluate_model(model, plan.windows, kv_caches, progress=progress,
-                          setup={"model": str(plan.model_dir), **(setup or {}), **_environment(plan)})
+    return model
 
 
-def _environment(plan: _Plan) -> dict:
+def environment(plan: _Plan) -> dict:
+    """What the numbers were measured with: device, dtype and versions."""
     import platform
 
     import transformers
@@ -509,7 +516,8 @@ def _output_path(option: str, path) -> pathlib.Path | None:
     return path
 
 
-def _model_dir(model: str) -> pathlib.Path:
+def model_directory(model: str) -> pathlib.Path:
+    """--model: a checkpoint directory, or SMOLLM2_NAME for the packaged model (converted on first use)."""
     from .models import SMOLLM2_NAME, MissingDependencyError, smollm2_checkpoint
 
     path = pathlib.Path(model)
@@ -535,7 +543,7 @@ def run(args: argparse.Namespace) -> int:
         text = evaluation_text(args.data)
     except (OSError, ValueError) as e:
         raise ValueError(f"--data: {e}") from None
-    model_dir = _model_dir(args.model)
+    model_dir = model_directory(args.model)
     result = evaluate(model_dir, text, args.kv_cache_dtype, seq_len=args.seq_len, windows=args.windows,
                       scales=args.scales, device=args.device, dtype=args.dtype, progress=not args.no_progress,
                       setup={"data": [os.fspath(p) for p in args.data]})
