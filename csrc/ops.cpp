@@ -11,4 +11,11 @@ TORCH_LIBRARY(fp8kv, m) {
       "Tensor block_tables, Tensor seq_lens, Tensor? cu_seqlens_q, float softmax_scale, "
       "Tensor k_scale, Tensor v_scale, int sliding_window=-1, float logits_soft_cap=0.0) -> ()");
   m.def("kv_amax(Tensor key, Tensor value, Tensor(a!) k_amax, Tensor(b!) v_amax) -> ()");
+  // Index checks on request: they read index tensors on the host (a device tensor is copied, which
+  // synchronizes), the checks the CPU kernels always run and device kernels run only with
+  // FP8KV_DEBUG_CHECKS=1.
+  m.def("check_cache_write_indices(Tensor slot_mapping, Tensor key_cache) -> ()");
+  m.def(
+      "check_paged_attention_indices(Tensor block_tables, Tensor seq_lens, Tensor? cu_seqlens_q, "
+      "int num_query_tokens, Tensor key_cache, int sliding_window=-1) -> ()");
 }

@@ -316,3 +316,36 @@ def test_interleaved_key_value_halves_are_accepted(device):
     fp8kv.ops.paged_attention(**separate)
     fp8kv.ops.paged_attention(**interleaved)
     assert torch.equal(interleaved["out"], separate["out"])
+
+
+# The index-check ops run the checks that need index values on request, on any device.
+INDEX_CHECKS = {
+    R: lambda a: fp8kv.ops.check_cache_write_indices(a["slot_mapping"], a["key_cache"]),
+    P: lambda a: fp8kv.ops.check_paged_attention_indices(a["block_tables"], a["seq_lens"], a["cu_seqlens_q"],
+                                                         a["query"].shape[0], a["key_cache"], a["sliding_window"]),
+}
+
+
+@pytest.mark.parametrize("op", INDEX_CHECKS)
+def test_index_check_ops_accept_valid_indices(device, op):
+    INDEX_CHECKS[op](OPS[op][1](device))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.reads_indices], ids=lambda c: f"{c.op}-{c.name}")
+def test_index_check_ops_name_the_bad_index(device, case, monkeypatch):
+    monkeypatch.delenv("FP8KV_DEBUG_CHECKS", raising=False)
+    args = OPS[case.op][1](device)
+    args.update(case.change(args))
+    with pytest.raises(RuntimeError, match=case.match):
+        INDEX_CHECKS[case.op](args)
+
+
+def test_index_check_ops_refuse_malformed_index_tensors():
+    cache = torch.zeros(2, 16, 1, 64, dtype=torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError, match=r"check_cache_write_indices: `slot_mapping` must be int64 of rank 1"):
+        fp8kv.ops.check_cache_write_indices(torch.zeros(3, dtype=torch.int32), cache)
+    tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"`seq_lens` must be int32 \[num_seqs = 2\]"):
+        fp8kv.ops.check_paged_attention_indices(tables, lens[:1], None, 2, cache)
+    with pytest.raises(RuntimeError, match=r"without `cu_seqlens_q` \(decode\) `num_query_tokens` must equal num_seqs"):
+        fp8kv.ops.check_paged_attention_indices(tables, lens, None, 3, cache)

@@ -2,11 +2,13 @@
 against float64 references built in the test."""
 
 import math
+import random
 
 import pytest
 import torch
 from torch import nn
 
+import fp8kv
 from fp8kv.attention import PagedAttention, map_checkpoint_scale_names
 from fp8kv.cache import BlockAllocator, CacheFullError, PagedKVCache, bytes_per_token, capacity_report
 from fp8kv.checkpoint import CheckpointError
@@ -390,3 +392,42 @@ def test_state_dict_round_trip():
     target = map_checkpoint_scale_names(ToyModel("fp8_e4m3fn"))
     target.load_state_dict(state)
     assert target.layers[1]["self_attn"].attn.k_scale.tolist() == [2.0] * 4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cache_steps_produce_indices_the_ops_accept(seed):
+    """Every slot and table PagedKVCache.prepare hands out is in range by construction: random add,
+    prefill, decode and free steps, each checked by the ops' own index checks; live slots are distinct."""
+    rng = random.Random(seed)
+    cache = PagedKVCache("fp8_e4m3", num_kv_heads=1, head_size=64, num_blocks=12, num_layers=1,
+                               block_size=rng.choice((1, 4, 16)))
+    key_cache, _ = cache.layer(0)
+    live, next_id, owner = [], 0, {}
+    for _ in range(60):
+        if live and rng.random() < 0.2:
+            cache.free_sequence(live.pop(rng.randrange(len(live))))
+            continue
+        if not live or rng.random() < 0.3:
+            cache.add_sequence(next_id)
+            live.append(next_id)
+            next_id += 1
+        batch = rng.sample(live, rng.randint(1, len(live)))
+        counts = [rng.choice((1, 1, 3, 7)) for _ in batch]
+        try:
+            meta = cache.prepare(batch, counts)
+        except CacheFullError:
+            continue
+        fp8kv.ops.check_cache_write_indices(meta.slot_mapping, key_cache)
+        fp8kv.ops.check_paged_attention_indices(meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+                                                meta.num_tokens, key_cache)
+        for slot, seq in zip(meta.slot_mapping.tolist(), [s for s, n in zip(batch, counts) for _ in range(n)]):
+            assert owner.get(slot, seq) == seq or owner[slot] not in live, f"slot {slot} handed to two live sequences"
+            owner[slot] = seq
+
+
+def test_checkpoint_scale_that_overflows_float32_after_conversion_is_refused():
+    """An e4m3fn scale of 3e38 doubles for an e4m3fnuz cache: inf in float32, refused by name."""
+    attn = PagedAttention(num_heads=2, num_kv_heads=1, head_size=64, layer_idx=0,
+                          kv_cache=KVCacheConfig(KVCacheDtype.E4M3FNUZ, ((1.0,),), ((1.0,),)))
+    with pytest.raises(ValueError, match=r"k_scale = \[6\.0+\d*e\+38\] must be finite and > 0 in float32"):
+        attn.load_state_dict({"k_scale": torch.tensor(3e38), "v_scale": torch.tensor(1.0)})

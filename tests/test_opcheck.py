@@ -1,4 +1,4 @@
-"""torch.library.opcheck for the three ops: schema (mutation annotations), fake kernels, autograd
+"""torch.library.opcheck for every op (the three kernels and the two index checks): schema (mutation annotations), fake kernels, autograd
 registration, and AOT dispatch with dynamic shapes, over a representative set of inputs.
 
 opcheck's schema test (SchemaCheckMode) compares tensors before and after the call with
@@ -69,3 +69,16 @@ def test_kv_amax(device, per_head, dtype):
     key, value = qkv[:, 4:6], qkv[:, 6:]
     amax = torch.zeros(2 if per_head else 1, device=device)
     torch.library.opcheck(torch.ops.fp8kv.kv_amax.default, (key, value, amax, amax.clone()))
+
+
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "multi_token"])
+def test_index_checks(device, decode):
+    inputs = make_paged_attention_inputs(
+        seq_lens=[3, 17, 0] if decode else [3, 17, 9], q_lens=None if decode else [3, 4, 1], num_heads=4,
+        num_kv_heads=2, head_size=64, block_size=8, cache_format="none", query_dtype=torch.float16,
+        per_head_scales=False, layout="NHD", sliding_window=-1, logits_soft_cap=0.0, device=device)
+    # An unquantized cache: opcheck's schema test compares tensors with allclose, which has no float8 kernel.
+    torch.library.opcheck(torch.ops.fp8kv.check_paged_attention_indices.default, (
+        inputs.block_tables, inputs.seq_lens, inputs.cu_seqlens_q, inputs.query.shape[0], inputs.key_cache, -1))
+    slots = torch.tensor([5, -1, 0, 31], device=device)
+    torch.library.opcheck(torch.ops.fp8kv.check_cache_write_indices.default, (slots, inputs.key_cache))

@@ -65,6 +65,17 @@ def _kv_amax_fake(key, value, k_amax, v_amax) -> None:
     _check_one_device("fp8kv.kv_amax", key=key, value=value, k_amax=k_amax, v_amax=v_amax)
 
 
+@torch.library.register_fake("fp8kv::check_cache_write_indices")
+def _check_cache_write_indices_fake(slot_mapping, key_cache) -> None:
+    return None  # needs the index values: nothing to check while tracing
+
+
+@torch.library.register_fake("fp8kv::check_paged_attention_indices")
+def _check_paged_attention_indices_fake(block_tables, seq_lens, cu_seqlens_q, num_query_tokens, key_cache,
+                                        sliding_window=-1) -> None:
+    return None  # needs the index values: nothing to check while tracing
+
+
 def has_cuda_kernels() -> bool:
     """True when the library was built with its CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("fp8kv::paged_attention", "CUDA")

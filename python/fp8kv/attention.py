@@ -73,7 +73,11 @@ class PagedAttention(nn.Module):
     def _per_head(self, name: str, values: tuple[float, ...]) -> torch.Tensor:
         if len(values) not in (1, self.num_kv_heads):
             raise ValueError(f"{name} has {len(values)} values; expected 1 or num_kv_heads={self.num_kv_heads}")
-        return torch.tensor(values, dtype=torch.float32).expand(self.num_kv_heads).clone()
+        scales = torch.tensor(values, dtype=torch.float32)
+        # The ops read scales on the device unchecked: this is where every scale of the module is made.
+        if not bool(torch.isfinite(scales).all() and (scales > 0).all()):
+            raise ValueError(f"{name} = {list(values)} must be finite and > 0 in float32")
+        return scales.expand(self.num_kv_heads).clone()
 
     def _checkpoint_heads(self, tensor: torch.Tensor) -> int:
         """Width of a per-head checkpoint scale: num_kv_heads * tp_size, except that with one local

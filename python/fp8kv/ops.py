@@ -9,7 +9,8 @@ import torch
 
 from . import _ops  # noqa: F401  (loads the library)
 
-__all__ = ["reshape_and_cache", "paged_attention", "kv_amax"]
+__all__ = ["reshape_and_cache", "paged_attention", "kv_amax", "check_cache_write_indices",
+           "check_paged_attention_indices"]
 
 
 def __dir__() -> list[str]:
@@ -81,3 +82,33 @@ def kv_amax(key: torch.Tensor, value: torch.Tensor, k_amax: torch.Tensor, v_amax
     A NaN in the input makes the maximum NaN.
     """
     torch.ops.fp8kv.kv_amax(key, value, k_amax, v_amax)
+
+
+def check_cache_write_indices(slot_mapping: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """Raises RuntimeError unless every slot is negative (skipped) or inside `key_cache`.
+
+    `reshape_and_cache` checks this itself on CPU. On a GPU it does not read the slots (that would
+    synchronize): an out-of-range slot there is not written, so its token is lost. Call this where a
+    slot mapping is built outside fp8kv's cache modules; it copies the slots to the host (a
+    synchronization, so not during CUDA graph capture). FP8KV_DEBUG_CHECKS=1 runs it inside every call.
+    """
+    torch.ops.fp8kv.check_cache_write_indices(slot_mapping, key_cache)
+
+
+def check_paged_attention_indices(
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    num_query_tokens: int,
+    key_cache: torch.Tensor,
+    sliding_window: int = -1,
+) -> None:
+    """Raises RuntimeError unless the query rows, lengths and every block id that attention will read
+    are consistent with the table and `key_cache` (the checks `paged_attention` runs itself on CPU).
+
+    On a GPU, `paged_attention` reads out-of-range block ids as zeros and clamps lengths to the table.
+    Copies the tensors to the host (not during CUDA graph capture). FP8KV_DEBUG_CHECKS=1 runs it inside
+    every call.
+    """
+    torch.ops.fp8kv.check_paged_attention_indices(block_tables, seq_lens, cu_seqlens_q, num_query_tokens, key_cache,
+                                                  sliding_window)
