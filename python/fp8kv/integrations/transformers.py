@@ -53,11 +53,12 @@ def enable(model):
 
 def new_tokens_mask(*, q_length: int, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """The mask the attention function gets: [batch, q_length] bool, False where a new token is
-    padding, or None without a padding mask. Its shape does not grow with the context (a compiled
-    decode step keeps one shape); causality is the kernel's, and padding is never cached."""
+    padding, or None without a padding mask. A contiguous copy, whose shape and strides do not
+    change with the context (a compiled decode step keeps one graph); causality is the kernel's,
+    and padding is never cached."""
     if attention_mask is None:
         return None
-    return attention_mask[:, -q_length:]
+    return attention_mask[:, -q_length:].clone(memory_format=torch.contiguous_format)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
