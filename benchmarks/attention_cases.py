@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -192,9 +193,16 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, softmax_sc
         mask, is_causal = None, True
     else:
         mask, is_causal = causal_lower_right(q_len, kv_len), False
-    with sdpa_kernel([SDPA_BACKENDS[backend]]) if SDPA_BACKENDS[backend] else contextlib.nullcontext():
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal,
-                                              scale=softmax_scale, enable_gqa=query.shape[1] != key.shape[1])
+    chosen = sdpa_kernel([SDPA_BACKENDS[backend]]) if SDPA_BACKENDS[backend] else contextlib.nullcontext()
+    with chosen, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # torch says why a backend refuses in warnings: keep them for the error
+        try:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=is_causal,
+                                                  scale=softmax_scale, enable_gqa=query.shape[1] != key.shape[1])
+        except RuntimeError as exc:
+            reasons = [str(w.message).split(" (Triggered internally")[0] for w in caught]
+            message = " ".join([str(exc).strip()] + [f"({r})" for r in reasons if r.strip()])
+            raise RuntimeError(message.replace("\n", " ")) from exc
 
 
 def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

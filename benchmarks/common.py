@@ -284,7 +284,7 @@ def rel_err_check(reference: torch.Tensor, to_reference: Callable[[torch.Tensor]
 def error_text(exc: BaseException) -> str:
     """One line naming the exception, for a column that could not run."""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {first_line}"[:300]
+    return f"{type(exc).__name__}: {first_line}"[:500]
 
 
 def select_shapes(shapes: Iterable, pattern: str | None) -> list:

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 
 import pytest
 import torch
@@ -243,6 +244,20 @@ def test_sdpa_backend_refusal_is_an_error():
     q = torch.randn(1, 4, 1, 16)
     with pytest.raises(RuntimeError):
         cases.sdpa(q, q, q, 1.0, "cudnn")  # no cuDNN attention on CPU, and no silent fallback
+
+
+def test_sdpa_refusal_names_torchs_reasons(monkeypatch):
+    def refuse(*args, **kwargs):
+        warnings.warn("Flash attention kernel not used because: (Triggered internally at sdp_utils.cpp:1.)")
+        warnings.warn("Flash attention requires q, k, v to have the same number of heads (Triggered internally at x.h:2.)")
+        raise RuntimeError("No available kernel. Aborting execution.")
+    monkeypatch.setattr(cases.F, "scaled_dot_product_attention", refuse)
+    q = torch.randn(1, 4, 1, 16)
+    with pytest.raises(RuntimeError) as raised:
+        cases.sdpa(q, q, q, 1.0, "flash")
+    assert common.error_text(raised.value) == (
+        "RuntimeError: No available kernel. Aborting execution. (Flash attention kernel not used because:) "
+        "(Flash attention requires q, k, v to have the same number of heads)")
 
 
 def test_relative_error_flags_nan():
