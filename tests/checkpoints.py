@@ -1,4 +1,5 @@
-"""Builders of synthetic checkpoint directories for the scale-loading tests.
+"""Builders of synthetic checkpoint directories for the scale-loading tests, and a runner of
+calls that could hang or exhaust memory on a hostile checkpoint.
 
 A checkpoint is config.json plus safetensors files (one file, or shards with an index) holding a
 few small weights and the scale tensors under test, and optionally hf_quant_config.json and a
@@ -8,12 +9,18 @@ legacy kv_cache_scales.json.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import pathlib
 import re
+import resource
 import struct
 
+import pytest
 import torch
 from safetensors.torch import save_file
+
+from fp8kv.checkpoint import CheckpointError
 
 ATTENTION = "model.layers.{}.self_attn"
 
@@ -136,3 +143,43 @@ def compressed_tensors_config(strategy: str = "tensor", **scheme_overrides) -> d
     scheme = {"num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False, "symmetric": True}
     scheme.update(scheme_overrides)
     return {"quant_method": "compressed-tensors", "kv_cache_scheme": scheme}
+
+
+# A child loads a toy checkpoint in well under a second; the limit leaves room for a loaded machine.
+CHILD_TIMEOUT_S = 60
+CHILD_EXTRA_MEMORY = 1 << 30  # an unbounded read fails fast instead of filling the machine's memory
+
+
+def run_in_child(function, *args, **kwargs):
+    """function(*args, **kwargs) in a forked child: ('returned', its result) or (exception type name,
+    [problem texts] for a CheckpointError else [message]). Fails the test if the child does not
+    answer within CHILD_TIMEOUT_S."""
+    context = multiprocessing.get_context("fork")
+    receiver, sender = context.Pipe(duplex=False)
+
+    def child():
+        with open("/proc/self/statm") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + CHILD_EXTRA_MEMORY,) * 2)
+        try:
+            sender.send(("returned", function(*args, **kwargs)))
+        except CheckpointError as e:
+            sender.send(("CheckpointError", [str(p) for p in e.problems]))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the test
+            sender.send((type(e).__name__, [str(e)]))
+
+    process = context.Process(target=child, daemon=True)
+    process.start()
+    try:
+        if not receiver.poll(CHILD_TIMEOUT_S):
+            pytest.fail(f"{function.__name__}{args} did not finish within {CHILD_TIMEOUT_S} s")
+        return receiver.recv()
+    finally:
+        process.kill()
+        process.join()
+
+
+def assert_child_error(outcome, message, file=None, tensor=None):
+    kind, problems = outcome
+    assert kind == "CheckpointError", outcome
+    assert_reported(problems, message, file, tensor)

@@ -18,7 +18,8 @@ from transformers import MistralConfig, MistralForCausalLM  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 
-from checkpoints import compressed_tensors_config, llama_config, scale_tensors, write_checkpoint  # noqa: E402
+from checkpoints import (assert_reported, compressed_tensors_config, llama_config, raw_safetensors,  # noqa: E402
+                         run_in_child, scale_tensors, write_checkpoint)
 from fp8kv import cli, ops  # noqa: E402
 from fp8kv.calibration import (CalibrationError, KVAmax, KVCalibrator, calibrate, export_checkpoint,  # noqa: E402
                                export_legacy_json, make_batches, observe_model, text_sequences,
@@ -427,6 +428,59 @@ def test_module_names_come_from_the_weights_or_the_caller(tmp_path):
         export_checkpoint(source, tmp_path / "out", random_amax(2, 1).scales())
     export_checkpoint(source, tmp_path / "out", random_amax(2, 1).scales(), module_template="transformer.h.{}.attn")
     assert "transformer.h.1.attn.v_scale" in all_tensors(tmp_path / "out")
+
+
+@pytest.mark.parametrize("other_names", [
+    ["model.layers." + "1" * 5000 + ".self_attn.k_proj.weight"],  # int() refuses more than 4300 digits
+    [f"transformer.h.{digit}.attn.k_proj.weight" for digit in "\u0660\u0661"],  # Arabic-Indic 0 and 1
+], ids=["5000 digits", "non-ASCII digits"])
+def test_a_layer_index_is_a_short_ascii_number(tmp_path, other_names):
+    """Other K projections whose layer component is no layer index (too long, or digits int() reads
+    but the loader does not) leave model.layers.{}.self_attn the only attention modules."""
+    source = write_checkpoint(tmp_path / "source", tensors={name: torch.zeros(2) for name in other_names})
+    export_checkpoint(source, tmp_path / "out", random_amax(2, 1).scales())
+    assert "model.layers.1.self_attn.v_scale" in all_tensors(tmp_path / "out")
+
+
+def test_module_template_check_is_bounded_by_the_template_not_the_names(tmp_path):
+    """A megabyte name with a million dots (every dotted prefix of it held at once: about 10^12 bytes)
+    is checked in a child with a memory limit: a regression fails instead of filling the machine."""
+    long_name = "model." + "x." * 1_000_000 + "k_proj.weight"
+    source = write_checkpoint(tmp_path / "source", tensors={long_name: torch.zeros(2)})
+    outcome = run_in_child(export_checkpoint, source, tmp_path / "out", random_amax(2, 1).scales(),
+                           module_template="model.layers.{}.self_attn")
+    assert outcome == ("returned", tmp_path / "out")
+    assert long_name in all_tensors(tmp_path / "out")
+
+
+def _weights_header(**changes) -> dict:
+    """The safetensors header of two float32 K projection weights of one element each, with `changes`
+    (tensor name: entry) applied."""
+    names = [f"model.layers.{layer}.self_attn.k_proj.weight" for layer in range(2)]
+    header = {name: {"dtype": "F32", "shape": [1], "data_offsets": [4 * i, 4 * i + 4]} for i, name in enumerate(names)}
+    return header | changes
+
+
+K1 = "model.layers.1.self_attn.k_proj.weight"
+
+
+@pytest.mark.parametrize("header, data, tensor, message", [
+    (_weights_header(**{K1: {"dtype": "F32", "shape": [1]}}), 8, K1, "data_offsets must be \\[begin, end\\]"),
+    (_weights_header(**{K1: [4, 8]}), 8, K1, "data_offsets must be"),
+    (_weights_header(**{K1: {"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}}), 8, K1, "0 <= begin <= end"),
+    (_weights_header(**{K1: {"dtype": "F32", "shape": [1], "data_offsets": [4, "8"]}}), 8, K1, "integers"),
+    (_weights_header(), 4, None, "its tensors end at byte 8 of its 4 data bytes; not a complete safetensors file"),
+    (_weights_header(), 12, None, "its tensors end at byte 8 of its 12 data bytes"),
+    (_weights_header(__metadata__={"format": 1}), 8, "__metadata__", "must be an object of strings"),
+], ids=["no offsets", "entry not an object", "reversed", "string offset", "data short", "data long", "metadata"])
+def test_single_file_rewrite_refuses_a_file_it_cannot_copy_naming_it(tmp_path, header, data, tensor, message):
+    source = write_checkpoint(tmp_path / "source")
+    raw_safetensors(source / "model.safetensors", json.dumps(header).encode(), b"\0" * data)
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    with pytest.raises(CheckpointError) as info:
+        export_checkpoint(source, source, random_amax(2, 1).scales())
+    assert_reported(info.value.problems, message, source / "model.safetensors", tensor)
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before  # nothing written, no temporaries
 
 
 def test_legacy_json_round_trip(tmp_path):

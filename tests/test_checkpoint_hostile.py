@@ -7,17 +7,16 @@ with a time limit and a memory limit, so a regression fails the test instead of 
 """
 
 import json
-import multiprocessing
 import os
 import pathlib
-import resource
+import struct
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from checkpoints import (ATTENTION, assert_reported, edit_index, legacy_json, llama_config, raw_safetensors,
-                         scale_tensors, write_checkpoint)
+from checkpoints import (ATTENTION, assert_child_error, assert_reported, edit_index, legacy_json, llama_config,
+                         raw_safetensors, run_in_child, scale_tensors, write_checkpoint)
 from fp8kv import checkpoint
 from fp8kv.checkpoint import CheckpointError, checkpoint_tensor_names, load_kv_cache_config, read_checkpoint_scales
 
@@ -26,46 +25,7 @@ V = [0.125, 1.5]
 K0 = f"{ATTENTION.format(0)}.k_scale"
 INDEX = "model.safetensors.index.json"
 
-# A child loads a toy checkpoint in well under a second; the limit leaves room for a loaded machine.
-CHILD_TIMEOUT_S = 60
-CHILD_EXTRA_MEMORY = 1 << 30  # an unbounded read fails fast instead of filling the machine's memory
-
 needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX FIFOs")
-
-
-def _run_in_child(function, *args, **kwargs):
-    """function(*args, **kwargs) in a forked child: ('returned', its result) or (exception type name,
-    [problem texts] for a CheckpointError else [message]). Fails the test if the child does not
-    answer within CHILD_TIMEOUT_S."""
-    context = multiprocessing.get_context("fork")
-    receiver, sender = context.Pipe(duplex=False)
-
-    def child():
-        with open("/proc/self/statm") as f:
-            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        resource.setrlimit(resource.RLIMIT_AS, (mapped + CHILD_EXTRA_MEMORY,) * 2)
-        try:
-            sender.send(("returned", function(*args, **kwargs)))
-        except CheckpointError as e:
-            sender.send(("CheckpointError", [str(p) for p in e.problems]))
-        except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the test
-            sender.send((type(e).__name__, [str(e)]))
-
-    process = context.Process(target=child, daemon=True)
-    process.start()
-    try:
-        if not receiver.poll(CHILD_TIMEOUT_S):
-            pytest.fail(f"{function.__name__}{args} did not finish within {CHILD_TIMEOUT_S} s")
-        return receiver.recv()
-    finally:
-        process.kill()
-        process.join()
-
-
-def assert_child_error(outcome, message, file=None, tensor=None):
-    kind, problems = outcome
-    assert kind == "CheckpointError", outcome
-    assert_reported(problems, message, file, tensor)
 
 
 def _replace(path: pathlib.Path, kind: str) -> None:
@@ -98,9 +58,9 @@ def test_special_files_are_errors_not_hangs(tmp_path, kind, expected, file, layo
                      legacy_json=legacy_json({0: {0: 1.0, 1: 1.0}}) if layout == "json" else None,
                      hf_quant_config={"quantization": {"kv_cache_quant_algo": "FP8"}})
     _replace(tmp_path / file, kind)
-    assert_child_error(_run_in_child(load_kv_cache_config, tmp_path, "fp8_e4m3fn"), expected, file)
+    assert_child_error(run_in_child(load_kv_cache_config, tmp_path, "fp8_e4m3fn"), expected, file)
     # inspect reports it among the problems
-    kind, problems = _run_in_child(lambda: [str(p) for p in read_checkpoint_scales(tmp_path).problems])
+    kind, problems = run_in_child(lambda: [str(p) for p in read_checkpoint_scales(tmp_path).problems])
     assert kind == "returned", problems
     assert_reported(problems, expected, file)
 
@@ -110,7 +70,7 @@ def test_special_files_are_errors_not_hangs(tmp_path, kind, expected, file, layo
 def test_special_config_for_the_unquantized_format(tmp_path, kind):
     write_checkpoint(tmp_path)
     _replace(tmp_path / "config.json", kind)
-    assert_child_error(_run_in_child(load_kv_cache_config, tmp_path, "auto"), "expected a regular file", "config.json")
+    assert_child_error(run_in_child(load_kv_cache_config, tmp_path, "auto"), "expected a regular file", "config.json")
 
 
 @needs_fifo
@@ -119,7 +79,7 @@ def test_scales_json_argument_must_be_a_regular_file(tmp_path, kind, expected):
     write_checkpoint(tmp_path / "model")
     given = tmp_path / "scales.json"
     os.mkfifo(given) if kind == "fifo" else given.mkdir()
-    outcome = _run_in_child(load_kv_cache_config, tmp_path / "model", "fp8_e4m3fn", scales_json=given)
+    outcome = run_in_child(load_kv_cache_config, tmp_path / "model", "fp8_e4m3fn", scales_json=given)
     assert_child_error(outcome, f"{given}: {expected}, expected a regular file")
 
 
@@ -129,7 +89,7 @@ def test_inspect_reports_a_fifo(tmp_path):
 
     write_checkpoint(tmp_path, shards=2, tensors=scale_tensors(K, V))
     _replace(tmp_path / INDEX, "fifo")
-    assert _run_in_child(main, ["inspect", str(tmp_path)]) == ("returned", 1)
+    assert run_in_child(main, ["inspect", str(tmp_path)]) == ("returned", 1)
 
 
 @pytest.mark.parametrize("layers", [10**9, 10**12])
@@ -138,7 +98,7 @@ def test_inspect_reports_a_fifo(tmp_path):
 def test_absurd_layer_counts_are_errors_not_hangs(tmp_path, layers, cache, tensors):
     write_checkpoint(tmp_path, config=llama_config(num_layers=layers),
                      tensors=scale_tensors(K, V) if tensors else None)
-    outcome = _run_in_child(load_kv_cache_config, tmp_path, cache)
+    outcome = run_in_child(load_kv_cache_config, tmp_path, cache)
     assert_child_error(outcome, f"is {layers}, above the limit of {checkpoint.MAX_NUM_LAYERS}", "config.json",
                        "num_hidden_layers")
 
@@ -147,7 +107,7 @@ def test_missing_layers_are_found_from_the_tensors_present(tmp_path):
     # The largest allowed model with scales for two layers: the report spans the rest in one range.
     write_checkpoint(tmp_path, config=llama_config(num_layers=checkpoint.MAX_NUM_LAYERS),
                      tensors=scale_tensors(K, V))
-    outcome = _run_in_child(load_kv_cache_config, tmp_path, "fp8_e4m3fn")
+    outcome = run_in_child(load_kv_cache_config, tmp_path, "fp8_e4m3fn")
     assert_child_error(outcome, f"no k_scale for layer\\(s\\) 2-{checkpoint.MAX_NUM_LAYERS - 1} of the model's "
                        f"{checkpoint.MAX_NUM_LAYERS}", "model.safetensors", ATTENTION.format(2) + ".k_scale")
 
@@ -480,10 +440,104 @@ def test_checkpoint_tensor_names(tmp_path, shards):
 def test_checkpoint_tensor_names_refuses_hostile_files(tmp_path):
     write_checkpoint(tmp_path / "fifo", shards=2)
     _replace(tmp_path / "fifo" / INDEX, "fifo")
-    assert_child_error(_run_in_child(checkpoint_tensor_names, tmp_path / "fifo"), "is a FIFO", INDEX)
+    assert_child_error(run_in_child(checkpoint_tensor_names, tmp_path / "fifo"), "is a FIFO", INDEX)
     with pytest.raises(CheckpointError, match="is not a checkpoint directory"):
         checkpoint_tensor_names(tmp_path / "absent")
     write_checkpoint(tmp_path / "garbage")
     (tmp_path / "garbage" / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="model.safetensors: cannot read safetensors file"):
         checkpoint_tensor_names(tmp_path / "garbage")
+
+
+# ----------------------------------------------------------------------------- commit journals
+
+JOURNAL = ".fp8kv-commit.json"  # the commit point of an export (fp8kv.commit)
+
+
+@needs_fifo
+@pytest.mark.parametrize("kind, expected", [("fifo", "is not a regular file"), ("dir", "is not a regular file"),
+                                            ("/dev/zero", "cannot read the commit journal")])
+def test_a_journal_that_is_no_file_is_an_error_naming_it_not_a_hang(tmp_path, kind, expected):
+    write_checkpoint(tmp_path, tensors=scale_tensors(K, V))
+    if kind == "dir":
+        (tmp_path / JOURNAL).mkdir()
+    else:
+        _replace(tmp_path / JOURNAL, kind)  # a symlink: refused, as the journal is never followed
+    for cache in ("fp8_e4m3fn", "auto"):
+        assert_child_error(run_in_child(load_kv_cache_config, tmp_path, cache), expected, JOURNAL)
+    assert_child_error(run_in_child(checkpoint_tensor_names, tmp_path), expected, JOURNAL)
+
+
+@needs_fifo
+@pytest.mark.parametrize("kind, expected", [("fifo", "is a FIFO"), ("/dev/zero", "is a character device")])
+@pytest.mark.parametrize("file, layout", [("config.json", "single"), ("model.safetensors", "single"),
+                                          (INDEX, "sharded"), ("kv_cache_scales.safetensors", "sharded")])
+def test_a_journals_files_are_read_with_the_same_care(tmp_path, kind, expected, file, layout):
+    write_checkpoint(tmp_path, shards=2 if layout == "sharded" else 1, tensors=scale_tensors(K, V))
+    temporary = f"{file}.fp8kv-tmp-0123456789abcdef"
+    _replace(tmp_path / temporary, kind)
+    (tmp_path / JOURNAL).write_text(json.dumps({"files": {file: temporary}}))
+    # Read instead of the file it stands for, and named in the error.
+    assert_child_error(run_in_child(load_kv_cache_config, tmp_path, "fp8_e4m3fn"), expected, temporary)
+
+
+def test_a_journals_file_is_read_instead_of_the_one_it_replaces(tmp_path):
+    """A journal made by hand (the kill tests of test_export_atomic.py use fp8kv's): the loader reads
+    the journal's temporaries, a new file included, and reports problems in them by their names."""
+    write_checkpoint(tmp_path, shards=2)  # no scales: unit scales
+    new_shard = "kv_cache_scales.safetensors.fp8kv-tmp-0123456789abcdef"
+    new_index = f"{INDEX}.fp8kv-tmp-0123456789abcdef"
+    save_file(scale_tensors(K, V), str(tmp_path / new_shard))
+    index = json.loads((tmp_path / INDEX).read_text())
+    index["weight_map"].update(dict.fromkeys(scale_tensors(K, V), "kv_cache_scales.safetensors"))
+    (tmp_path / new_index).write_text(json.dumps(index))
+    (tmp_path / JOURNAL).write_text(json.dumps({"files": {"kv_cache_scales.safetensors": new_shard,
+                                                          INDEX: new_index}}))
+    config = load_kv_cache_config(tmp_path, "fp8_e4m3fn")
+    assert config.k_scales == tuple((k,) for k in K) and config.v_scales == tuple((v,) for v in V)
+    assert checkpoint_tensor_names(tmp_path)[K0] == tmp_path / new_shard
+    (tmp_path / new_index).write_text("{")
+    with pytest.raises(CheckpointError) as info:
+        load_kv_cache_config(tmp_path, "fp8_e4m3fn")
+    assert_reported(info.value.problems, "invalid JSON", new_index)
+
+
+# ----------------------------------------------------------------------------- safetensors headers
+
+
+def test_read_safetensors_header_matches_the_file_layout(tmp_path):
+    path = tmp_path / "x.safetensors"
+    save_file({"a": torch.zeros(3), "b": torch.ones(2, dtype=torch.float16)}, str(path), metadata={"k": "v"})
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])  # the layout: header length, JSON header, data
+    header = checkpoint.read_safetensors_header(path)
+    assert header == (json.loads(raw[8:8 + length]), 8 + length, len(raw) - 8 - length)
+    assert header.data_size == 3 * 4 + 2 * 2 and header.entries["__metadata__"] == {"k": "v"}
+
+
+def _with_length(header: bytes, length: int | None = None) -> bytes:
+    return struct.pack("<Q", len(header) if length is None else length) + header
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x01\x00", "cannot read safetensors file: 2 bytes, shorter than the header length"),
+    (_with_length(b"{}", 100), "header length 100 exceeds the file \\(10 bytes\\)"),
+    (_with_length(b""), "invalid JSON"),
+    (_with_length(b"[1]"), "must hold a JSON object, got list"),
+    (_with_length(b'{"a": 1, "a": 2}'), "duplicate key 'a'"),
+    (_with_length(b"{\xff}"), "not valid UTF-8"),
+])
+def test_read_safetensors_header_refuses_malformed_files_naming_them(tmp_path, content, message):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError) as info:
+        checkpoint.read_safetensors_header(path)
+    assert_reported(info.value.problems, message, path)
+
+
+@needs_fifo
+@pytest.mark.parametrize("kind, expected", [("fifo", "is a FIFO"), ("/dev/zero", "is a character device")])
+def test_read_safetensors_header_refuses_special_files(tmp_path, kind, expected):
+    _replace(tmp_path / "x.safetensors", kind)
+    assert_child_error(run_in_child(checkpoint.read_safetensors_header, tmp_path / "x.safetensors"), expected,
+                       "x.safetensors")

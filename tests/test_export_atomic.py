@@ -36,6 +36,7 @@ from fp8kv.formats import KVCacheDtype  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 JOURNAL = ".fp8kv-commit.json"  # the commit point's name, as the protocol documents it
+TEMPORARY = re.compile(r"\.fp8kv-tmp-[0-9a-f]{16}")  # the suffix of a temporary's name, as documented
 KILLED = 75
 
 
@@ -107,8 +108,9 @@ def killed_at(n: int, export) -> bool:
 
 
 def reading(directory: pathlib.Path, fmt: KVCacheDtype) -> dict:
-    """Everything fp8kv's loader makes of `directory` (paths relative to it), and its config.json."""
-    strip = lambda text: str(text).replace(str(directory), "<dir>")  # noqa: E731
+    """Everything fp8kv's loader makes of `directory` (paths relative to it; a committed export's
+    temporaries by the names they stand for), and its config.json as a committed journal makes it."""
+    strip = lambda text: TEMPORARY.sub("", str(text).replace(str(directory), "<dir>"))  # noqa: E731
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the unit-scale warning of a checkpoint without scales
         try:
@@ -120,11 +122,11 @@ def reading(directory: pathlib.Path, fmt: KVCacheDtype) -> dict:
     tensors = {}
     for name, path in checkpoint_tensor_names(directory).items():
         with safe_open(str(path), framework="pt") as f:
-            tensors[name] = (path.name, f.get_tensor(name).tolist())
+            tensors[name] = (strip(path.name), f.get_tensor(name).tolist())
     return dict(loaded=loaded, declared=found.declared, forms=found.forms, calibrated_for=found.calibrated_for,
-                scales=[(pathlib.Path(s.file).name, s.tensor, s.values) for s in (*found.k, *found.v)],
+                scales=[(strip(pathlib.Path(s.file).name), s.tensor, s.values) for s in (*found.k, *found.v)],
                 problems=[strip(p) for p in found.problems], tensors=tensors,
-                config=json.loads((directory / "config.json").read_text()))
+                config=json.loads(committed_file(directory, "config.json").read_text()))
 
 
 def listing(directory: pathlib.Path) -> dict[str, tuple]:
@@ -139,15 +141,16 @@ def safetensors_content(path: pathlib.Path) -> tuple:
         return f.metadata(), {name: f.get_tensor(name).tolist() for name in sorted(f.keys())}
 
 
-def rolled_forward(directory: pathlib.Path, scratch: pathlib.Path) -> pathlib.Path:
-    """A copy of `directory` with its journal's renames done (what the commit point decided)."""
-    shutil.rmtree(scratch, ignore_errors=True)
-    shutil.copytree(directory, scratch)
-    for name, temporary in json.loads((scratch / JOURNAL).read_text())["files"].items():
-        if (scratch / temporary).exists():
-            os.replace(scratch / temporary, scratch / name)
-    os.unlink(scratch / JOURNAL)
-    return scratch
+def journal_files(directory: pathlib.Path) -> dict[str, str]:
+    """{name: temporary} of `directory`'s commit journal ({} without one), read as the protocol documents it."""
+    journal = directory / JOURNAL
+    return json.loads(journal.read_text())["files"] if journal.exists() else {}
+
+
+def committed_file(directory: pathlib.Path, name: str) -> pathlib.Path:
+    """The file holding what the directory's `name` is: a committed journal's temporary until it is renamed."""
+    temporary = directory / journal_files(directory).get(name, name)
+    return temporary if temporary.exists() else directory / name
 
 
 CASES = [("single", KVCacheDtype.E4M3FNUZ, 4), ("single", KVCacheDtype.E4M3FN, 1),
@@ -183,36 +186,37 @@ def test_in_place_export_killed_anywhere_reads_old_or_new_and_a_rerun_finishes(t
         fresh_copy(pristine, work)
         if killed_at(n, lambda: export_checkpoint(work, work, scales)):
             break
-        if (work / JOURNAL).exists():
-            # Past the commit point: the journal decides "new" (the loader reads it once it honours
-            # the journal, see test_loader_reads_a_committed_export_as_new).
-            assert reading(rolled_forward(work, tmp_path / "scratch"), fmt) == new, n
-            outcomes.append("committed")
-        else:
-            state = reading(work, fmt)
-            assert state in (old, new), n
-            outcomes.append("old" if state == old else "new")
+        state = reading(work, fmt)  # through the loader, as any reader of the checkpoint sees it
+        assert state in (old, new), n
+        outcomes.append(("new" if state == new else "old", (work / JOURNAL).exists()))
         assert export_checkpoint(work, work, scales) == work  # the re-run finishes
         assert reading(work, fmt) == new and listing(work) == new_listing, n
     else:
         pytest.fail("the export never completed")
     assert reading(work, fmt) == new and listing(work) == new_listing
-    # Killed before the commit point, then after it (the journal's removal is the last operation).
-    before, after = outcomes.count("old"), outcomes.count("committed")
-    assert outcomes == ["old"] * before + ["committed"] * after and before >= 6 and after >= 3
+    # Old before the commit point, new with a journal after it (its removal is the last operation).
+    before, after = outcomes.count(("old", False)), outcomes.count(("new", True))
+    assert outcomes == [("old", False)] * before + [("new", True)] * after and before >= 6 and after >= 3
 
 
-@pytest.mark.xfail(strict=True, reason="fp8kv.checkpoint does not read a committed export's journal yet")
 @pytest.mark.parametrize("layout", ["single", "sharded"])
-def test_loader_reads_a_committed_export_as_new(tmp_path, layout):
+def test_loader_reads_a_committed_export_as_new_where_its_files_alone_are_neither(tmp_path, layout):
     pristine, scales, old, new, _ = prepared(tmp_path, layout, KVCacheDtype.E4M3FNUZ, 4)
     work = tmp_path / "work"
     for n in range(1, 100):
         fresh_copy(pristine, work)
         assert not killed_at(n, lambda: export_checkpoint(work, work, scales))
-        if (work / JOURNAL).exists() and reading(work, KVCacheDtype.E4M3FNUZ) != old:
+        renamed = [name for name, temporary in journal_files(work).items() if not (work / temporary).exists()]
+        if len(renamed) == 1:
             break  # killed after the first rename
+    else:
+        pytest.fail("no kill point after the first rename")
     assert reading(work, KVCacheDtype.E4M3FNUZ) == new
+    # The directory's files alone mix the old and new checkpoints (the renamed file is new, the
+    # others old): only the journal makes it read as new.
+    alone = shutil.copytree(work, tmp_path / "alone")
+    os.unlink(alone / JOURNAL)
+    assert reading(alone, KVCacheDtype.E4M3FNUZ) not in (old, new)
 
 
 @pytest.mark.parametrize("layout,fmt,width", CASES[:1] + CASES[2:3])
@@ -261,13 +265,26 @@ def test_stale_temporaries_and_a_committed_journal_are_dealt_with_by_the_next_ex
 
 def test_a_journal_that_is_not_fp8kvs_is_refused_and_kept(tmp_path):
     work = source_checkpoint(tmp_path / "work", layout="single")
+    expected = f"{work / JOURNAL}: not an fp8kv commit journal"
     for content in ('{"files": {"config.json": "/etc/passwd"}}', "[]",
                     '{"files": {"../x": "../x.fp8kv-tmp-0123456789abcdef"}}'):
         (work / JOURNAL).write_text(content)
         before = listing(work)
-        with pytest.raises(ValueError, match=rf"{JOURNAL}: not an fp8kv commit journal"):
+        with pytest.raises(ValueError, match=re.escape(expected)):
             export_checkpoint(work, work, random_amax(2, 1).scales())
+        # The loader cannot tell which files to read: an error naming the journal.
+        for read in (lambda: load_kv_cache_config(work, "fp8_e4m3fn"), lambda: load_kv_cache_config(work, "auto"),
+                     lambda: checkpoint_tensor_names(work)):
+            with pytest.raises(CheckpointError) as error:
+                read()
+            assert [str(p) for p in error.value.problems] == [str(p) for p in read_checkpoint_scales(work).problems]
+            assert len(error.value.problems) == 1 and str(error.value.problems[0]).startswith(expected)
         assert listing(work) == before
+    os.unlink(work / JOURNAL)
+    (work / JOURNAL).mkdir()
+    with pytest.raises(ValueError, match=re.escape(f"{work / JOURNAL}: is not a regular file")):
+        export_checkpoint(work, work, random_amax(2, 1).scales())
+    assert (work / JOURNAL).is_dir()
 
 
 def test_exporting_the_scales_a_checkpoint_holds_does_nothing_and_others_are_refused(tmp_path):

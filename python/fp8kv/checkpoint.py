@@ -19,6 +19,10 @@ Checkpoints come from untrusted sources, so reading is bounded: regular files on
 device is an error, not a hang), JSON files and safetensors headers up to MAX_JSON_BYTES, shard
 paths of the index inside the directory, and work proportional to the entries the files hold,
 never to a count a file declares.
+
+An export into the directory that committed but did not finish its renames (a commit journal,
+see `fp8kv.commit`) is read as finished: each file its journal lists is read from where the
+journal says, so the checkpoint reads as the old one or the new one, never a mix.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ import reprlib
 import stat
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
+from . import commit
 from .formats import KVCacheConfig, KVCacheDtype
 
 CONFIG_FILE = "config.json"
@@ -119,6 +125,26 @@ class CheckpointScales:
         return bool(self.k) or bool(self.legacy_json_scales)
 
 
+class SafetensorsHeader(NamedTuple):
+    """The JSON header of a safetensors file and where its tensor data lies."""
+
+    entries: dict  # tensor name -> {"dtype", "shape", "data_offsets"}, and "__metadata__" if present
+    data_start: int  # the file offset of the tensor data
+    data_size: int  # bytes from data_start to the end of the file
+
+
+def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """The header of safetensors file `path`, read as the loader reads it: a regular file (symlinks
+    followed), a header length within the file and MAX_JSON_BYTES, a JSON object without repeated
+    keys. Raises CheckpointError naming the file."""
+    path = pathlib.Path(path)
+    reader = _Reader(path.parent)
+    try:
+        return reader.safetensors_header(path)
+    except _Fatal:
+        raise CheckpointError(reader.problems) from None
+
+
 @dataclass
 class _Reader:
     """Accumulates problems while reading; each check records and moves on where it can.
@@ -129,8 +155,14 @@ class _Reader:
 
     directory: pathlib.Path
     problems: list[Problem] = field(default_factory=list)
+    # File name -> the file to read for it, for the files a committed export's journal lists.
+    committed: dict[str, pathlib.Path] = field(default_factory=dict)
     # safetensors file -> its tensor names (a dict for ordered, constant-time lookup); None: unreadable.
     _names: dict[pathlib.Path, dict[str, None] | None] = field(default_factory=dict)
+
+    def path(self, name: str) -> pathlib.Path:
+        """The file to read for the directory's file `name`."""
+        return self.committed.get(name, self.directory / name)
 
     def problem(self, file, tensor, message) -> None:
         self.problems.append(Problem(str(file), tensor, message))
@@ -177,12 +209,13 @@ class _Reader:
         """The tensor names in the header of safetensors file `path` (read once); None if unreadable."""
         if path not in self._names:
             try:
-                self._names[path] = dict.fromkeys(n for n in self._safetensors_header(path) if n != "__metadata__")
+                entries = self.safetensors_header(path).entries
+                self._names[path] = dict.fromkeys(n for n in entries if n != "__metadata__")
             except _Fatal:
                 self._names[path] = None
         return self._names[path]
 
-    def _safetensors_header(self, path: pathlib.Path) -> dict:
+    def safetensors_header(self, path: pathlib.Path) -> SafetensorsHeader:
         # Layout: an 8-byte little-endian header length, the JSON header, then the tensor data.
         length_bytes, size = self.read(path, 0, 8)
         if len(length_bytes) < 8:
@@ -194,7 +227,8 @@ class _Reader:
         if length > MAX_JSON_BYTES:
             raise self.fatal(path, None, f"cannot read safetensors file: header length {length} exceeds "
                              f"{_mib(MAX_JSON_BYTES)} (MAX_JSON_BYTES)")
-        return self.parse_json_object(path, self.read(path, 8, length)[0])
+        entries = self.parse_json_object(path, self.read(path, 8, length)[0])
+        return SafetensorsHeader(entries, 8 + length, size - 8 - length)
 
 
 def _not_regular(path: pathlib.Path) -> str | None:
@@ -253,7 +287,7 @@ def _lookup(table: dict, value):
 
 def _model_geometry(reader: _Reader, config: dict, num_layers: int | None, num_kv_heads: int | None):
     """num_layers and num_kv_heads from config.json (or its text_config), checked against the caller's."""
-    path = reader.directory / CONFIG_FILE
+    path = reader.path(CONFIG_FILE)
     text_config = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
 
     def field_value(*names):
@@ -284,7 +318,7 @@ def _model_geometry(reader: _Reader, config: dict, num_layers: int | None, num_k
 
 def _quantization_hints(reader: _Reader, config: dict) -> tuple[list[str], bool, str | None, list]:
     """Checks the config hints. Returns (declared schemes, scales required, granularity, dtype hints)."""
-    path = reader.directory / CONFIG_FILE
+    path = reader.path(CONFIG_FILE)
     declared, required, granularity, dtype_hints = [], False, None, []
     quant = config.get("quantization_config")
     if quant is not None and not isinstance(quant, dict):
@@ -338,8 +372,8 @@ def _quantization_hints(reader: _Reader, config: dict) -> tuple[list[str], bool,
 
 def _modelopt_algos(reader: _Reader, quant: dict):
     """(file, owner, kv_cache_quant_algo) from config.json and hf_quant_config.json."""
-    yield str(reader.directory / CONFIG_FILE), "quantization_config", quant.get("kv_cache_quant_algo")
-    modelopt = reader.directory / MODELOPT_FILE
+    yield str(reader.path(CONFIG_FILE)), "quantization_config", quant.get("kv_cache_quant_algo")
+    modelopt = reader.path(MODELOPT_FILE)
     if os.path.lexists(modelopt):
         try:
             section = reader.json_object(modelopt).get("quantization") or {}
@@ -359,20 +393,21 @@ def checkpoint_tensor_names(directory: str | os.PathLike) -> dict[str, pathlib.P
 
     From model.safetensors.index.json when there is one (its shard files must be regular files
     inside the directory), else from the headers of the directory's *.safetensors files. Reads
-    only regular files, each JSON part at most MAX_JSON_BYTES. Raises CheckpointError naming the
+    only regular files, each JSON part at most MAX_JSON_BYTES. A file that a committed export's
+    journal lists is the one the journal names (see the module). Raises CheckpointError naming the
     file (and tensor) of every problem.
     """
     return _checked(_Reader(pathlib.Path(directory)), _locate_tensors)
 
 
 def _locate_tensors(reader: _Reader) -> dict[str, pathlib.Path]:
-    index_path = reader.directory / INDEX_FILE
+    index_path = reader.path(INDEX_FILE)
     if os.path.lexists(index_path):
         return _indexed_tensors(reader, index_path)
-    entries = _directory_entries(reader)
-    files = [p for p in entries if p.name.endswith(".safetensors")]
+    entries = _directory_files(reader)
+    files = [path for name, path in entries.items() if name.endswith(".safetensors")]
     if not files:
-        pickled = [p.name for p in entries if p.suffix in (".bin", ".pt", ".pth")]
+        pickled = [name for name in entries if pathlib.PurePath(name).suffix in (".bin", ".pt", ".pth")]
         if pickled:
             reader.problem(reader.directory, None, f"holds only pickled weights ({', '.join(pickled)}); "
                            "fp8kv reads KV cache scales from safetensors files only")
@@ -386,11 +421,13 @@ def _locate_tensors(reader: _Reader) -> dict[str, pathlib.Path]:
     return located
 
 
-def _directory_entries(reader: _Reader) -> list[pathlib.Path]:
+def _directory_files(reader: _Reader) -> dict[str, pathlib.Path]:
+    """{name: the file to read} for the directory's entries and the files a committed export adds, by name."""
     try:
-        return sorted(reader.directory.iterdir())
+        names = {path.name for path in reader.directory.iterdir()}
     except OSError as e:
         raise reader.fatal(reader.directory, None, f"cannot list the directory: {e.strerror or e}") from None
+    return {name: reader.path(name) for name in sorted(names | reader.committed.keys())}
 
 
 def _indexed_tensors(reader: _Reader, index_path: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -418,6 +455,8 @@ def _shard_path(reader: _Reader, index_path: pathlib.Path, name: str, shard: str
     anywhere (the Hugging Face cache links every file of a snapshot to a blob outside it).
     """
     path = reader.directory / shard
+    if path.parent == reader.directory:
+        path = reader.path(path.name)
     try:
         inside = path.parent.resolve().is_relative_to(reader.directory.resolve())
     except (OSError, RuntimeError, ValueError):  # a symlink loop, a NUL byte
@@ -432,12 +471,12 @@ def _shard_path(reader: _Reader, index_path: pathlib.Path, name: str, shard: str
 def _scale_tensor_files(reader: _Reader) -> dict[str, pathlib.Path]:
     """Scale tensor name -> the file that holds it."""
     located = _locate_tensors(reader)
-    if os.path.lexists(reader.directory / INDEX_FILE):
+    if os.path.lexists(reader.path(INDEX_FILE)):
         # A scales shard the index does not list is one that no loader reads: refuse rather than
         # fall back to unit scales.
         listed = {os.path.normpath(p) for p in located.values()}
-        for path in _directory_entries(reader):
-            if (path.name.endswith(".safetensors") and os.path.normpath(path) not in listed
+        for name, path in _directory_files(reader).items():
+            if (name.endswith(".safetensors") and os.path.normpath(path) not in listed
                     and any(map(_scale_suffix, reader.tensor_names(path) or ()))):
                 reader.problem(path, None, f"holds KV cache scale tensors but {INDEX_FILE} does not list this file")
     return {name: path for name, path in located.items() if _scale_suffix(name) is not None}
@@ -496,8 +535,9 @@ def _shape_error(shape: list[int], num_kv_heads: int) -> str | None:
 _LAYER_COMPONENT = re.compile(r"(?:^|\.)([0-9]{1,18})(?=\.|$)")
 
 
-def _module_and_layer(name: str, suffix: str) -> tuple[str, int] | None:
-    """('model.layers.{}.self_attn', 7) for 'model.layers.7.self_attn.k_scale'."""
+def module_and_layer(name: str, suffix: str) -> tuple[str, int] | None:
+    """('model.layers.{}.self_attn', 7) for 'model.layers.7.self_attn.k_scale' and suffix '.k_scale':
+    the module above `suffix` with its layer index (the first component of ASCII digits) as {}."""
     module = name[: -len(suffix)]
     match = _LAYER_COMPONENT.search(module)
     if match is None:
@@ -512,7 +552,7 @@ def _tensor_scales(reader: _Reader, num_layers: int, num_kv_heads: int, granular
     forms: set[str] = set()
     for name, path in sorted(_scale_tensor_files(reader).items()):
         suffix, kind, form = _scale_suffix(name)
-        parsed = _module_and_layer(name, suffix)
+        parsed = module_and_layer(name, suffix)
         if parsed is None:
             reader.problem(path, name, "has no layer index in its name (expected e.g. model.layers.0.self_attn.k_scale)")
             continue
@@ -718,8 +758,8 @@ def read_checkpoint_scales(
 
 
 def _read_into(reader: _Reader, state: dict, scales_json) -> None:
-    _require_directory(reader)
-    config_path = reader.directory / CONFIG_FILE
+    _open_directory(reader)
+    config_path = reader.path(CONFIG_FILE)
     if not os.path.lexists(config_path):
         raise reader.fatal(config_path, None, "missing (needed for the layer and head counts)")
     config = reader.json_object(config_path)
@@ -755,7 +795,7 @@ def _read_into(reader: _Reader, state: dict, scales_json) -> None:
 
 def _legacy_json_path(reader: _Reader, scales_json) -> pathlib.Path | None:
     """The legacy JSON file to read: `scales_json`, else the directory's own, else None."""
-    own = reader.directory / LEGACY_JSON_FILE
+    own = reader.path(LEGACY_JSON_FILE)
     if scales_json is None:
         return own if os.path.lexists(own) else None
     given = pathlib.Path(scales_json)
@@ -771,16 +811,21 @@ def _same_file(a: pathlib.Path, b: pathlib.Path) -> bool:
         return False
 
 
-def _require_directory(reader: _Reader) -> None:
+def _open_directory(reader: _Reader) -> None:
+    """Checks that the reader's directory is a directory and reads its commit journal, if any."""
     if not reader.directory.is_dir():
         raise reader.fatal(reader.directory, None, "is not a checkpoint directory")
+    try:
+        reader.committed = commit.committed_files(reader.directory) or {}
+    except commit.JournalError as e:
+        raise reader.fatal(e.path, None, e.reason) from None
 
 
 def _checked(reader: _Reader, read):
     """read(reader) on a checkpoint directory, raising CheckpointError for the problems it records."""
     result = None
     try:
-        _require_directory(reader)
+        _open_directory(reader)
         result = read(reader)
     except _Fatal:
         pass
@@ -855,7 +900,7 @@ def load_kv_cache_config(
     _check_geometry_arguments(num_layers, num_kv_heads)
     if dtype is KVCacheDtype.UNQUANTIZED:
         reader = _Reader(pathlib.Path(checkpoint_dir))
-        layers, _ = _checked(reader, lambda r: _model_geometry(r, r.json_object(r.directory / CONFIG_FILE),
+        layers, _ = _checked(reader, lambda r: _model_geometry(r, r.json_object(r.path(CONFIG_FILE)),
                                                                num_layers, num_kv_heads))
         return KVCacheConfig.unit_scales(dtype, layers, "unquantized cache: no scales")
     found = read_checkpoint_scales(checkpoint_dir, scales_json=scales_json, num_layers=num_layers, num_kv_heads=num_kv_heads)

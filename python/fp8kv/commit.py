@@ -15,7 +15,8 @@ A single file needs no journal: its rename is the commit point.
 A writer killed in steps 1-2 leaves temporaries, one killed in step 3 a journal: `recover`, which
 the next export runs first, rolls a journal forward (the renames not yet done) and then removes
 every other temporary (the journal proves which ones were committed). `committed_files` tells a
-reader which files a journal makes new, so it can read the new checkpoint before the renames.
+reader which files a journal makes new, so it can read the new checkpoint before the renames
+(fp8kv.checkpoint does).
 Writers hold `locked(directory)`, so two exports never interleave.
 """
 
@@ -39,6 +40,14 @@ _TEMPORARY = re.compile(r"(.+)\.fp8kv-tmp-[0-9a-f]{16}")
 _JOURNAL_LIMIT = 1 << 20  # bytes; a journal names a handful of files
 
 Writer = Callable[[pathlib.Path], None]  # fills the (empty, existing) file at the path it is given
+
+
+class JournalError(ValueError):
+    """A file at the journal's path that is not fp8kv's journal, or cannot be read: `path`, `reason`."""
+
+    def __init__(self, path: pathlib.Path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = path, reason
 
 
 def temporary_name(name: str) -> str:
@@ -112,18 +121,22 @@ def remove_temporaries(directory: pathlib.Path, name: str | None = None) -> None
 def committed_files(directory: pathlib.Path) -> dict[str, pathlib.Path] | None:
     """{name: the file to read for it} for the files a committed export's journal makes new (the
     temporary until it is renamed, then the file itself); None when `directory` has no journal.
-    Raises ValueError for a journal that is not fp8kv's (never touched)."""
+    Raises JournalError for a journal that is not fp8kv's (never touched) or cannot be read."""
     path = directory / JOURNAL
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise ValueError(f"{path}: cannot read the commit journal: {e.strerror}") from None
+        raise JournalError(path, f"cannot read the commit journal: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a directory
+        os.close(fd)
+        raise JournalError(path, "is not a regular file, so not an fp8kv commit journal; move it away")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path}: is not a regular file, so not an fp8kv commit journal; move it away")
-        content = f.read(_JOURNAL_LIMIT + 1)
+        try:
+            content = f.read(_JOURNAL_LIMIT + 1)
+        except OSError as e:
+            raise JournalError(path, f"cannot read the commit journal: {e.strerror}") from None
     try:
         files = json.loads(content)["files"]
         valid = len(content) <= _JOURNAL_LIMIT and all(
@@ -132,8 +145,8 @@ def committed_files(directory: pathlib.Path) -> dict[str, pathlib.Path] | None:
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         valid = False
     if not valid:
-        raise ValueError(f"{path}: not an fp8kv commit journal (an object 'files' of name: '<name>"
-                         f"{TEMPORARY_MARKER}<16 hex>'); fp8kv leaves it alone: move it away")
+        raise JournalError(path, f"not an fp8kv commit journal (an object 'files' of name: '<name>"
+                                 f"{TEMPORARY_MARKER}<16 hex>'); fp8kv leaves it alone: move it away")
     return {name: directory / (temporary if os.path.lexists(directory / temporary) else name)
             for name, temporary in files.items()}
 

@@ -9,7 +9,6 @@ import functools
 import json
 import os
 import pathlib
-import re
 import shutil
 import struct
 from contextlib import nullcontext
@@ -18,8 +17,8 @@ from typing import Iterable
 import torch
 
 from .. import commit, distributed
-from ..checkpoint import (CONFIG_FILE, INDEX_FILE, CheckpointError, checkpoint_tensor_names, format_ranges,
-                          read_checkpoint_scales)
+from ..checkpoint import (CONFIG_FILE, INDEX_FILE, CheckpointError, Problem, checkpoint_tensor_names,
+                          format_ranges, module_and_layer, read_checkpoint_scales, read_safetensors_header)
 from ..formats import KVCacheConfig, KVCacheDtype
 
 SCALES_FILE = "kv_cache_scales.safetensors"
@@ -151,7 +150,7 @@ def _write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], bas
         end += len(blob)
     metadata = {"format": "pt"}
     if base is not None:
-        old_entries, data_start = _safetensors_header(base)
+        old_entries, data_start = _copied_entries(base)
         metadata = old_entries.pop("__metadata__", None)
         for entry in old_entries.values():
             entry["data_offsets"] = [offset + end for offset in entry["data_offsets"]]
@@ -168,17 +167,31 @@ def _write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], bas
                 shutil.copyfileobj(f, out, 1 << 24)
 
 
-def _safetensors_header(path: pathlib.Path) -> tuple[dict, int]:
-    """The header of safetensors file `path` and where its data starts; its tensors must fill the data."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    data_size = os.path.getsize(path) - 8 - size
-    end = max((entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"), default=0)
-    if end != data_size:
-        raise ValueError(f"{path}: its tensors end at byte {end} of its {data_size} data bytes; not a complete "
-                         "safetensors file")
-    return header, 8 + size
+def _copied_entries(path: pathlib.Path) -> tuple[dict, int]:
+    """The header entries of safetensors file `path` and where its data starts. Its data is copied
+    whole behind the new tensors, every offset moved: each entry needs valid offsets, and the
+    tensors must fill the data. The metadata is kept: it must be what safetensors reads."""
+    header = read_safetensors_header(path)
+    end = 0
+    for name, entry in header.entries.items():
+        if name == "__metadata__":
+            if not (isinstance(entry, dict) and all(isinstance(value, str) for value in entry.values())):
+                raise CheckpointError([Problem(str(path), name, "must be an object of strings")])
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_offset, offsets))
+                and offsets[0] <= offsets[1]):
+            raise CheckpointError([Problem(str(path), name, "data_offsets must be [begin, end], integers with "
+                                                            "0 <= begin <= end")])
+        end = max(end, offsets[1])
+    if end != header.data_size:
+        raise CheckpointError([Problem(str(path), None, f"its tensors end at byte {end} of its {header.data_size} "
+                                                        "data bytes; not a complete safetensors file")])
+    return header.entries, header.data_start
+
+
+def _is_offset(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _copy(source: pathlib.Path, stage: pathlib.Path, out: pathlib.Path) -> None:
@@ -217,7 +230,6 @@ def _check_geometry(kv_cache: KVCacheConfig, num_layers: int, num_kv_heads: int,
 # ----------------------------------------------------------------------------- module names
 
 _PROJECTIONS = (".k_proj.weight", ".qkv_proj.weight")
-_LAYER_INDEX = re.compile(r"(?:^|\.)(\d+)(?=\.)")
 
 
 def _module_template(directory: pathlib.Path, num_layers: int, given: str | None) -> str:
@@ -237,8 +249,8 @@ def _module_template(directory: pathlib.Path, num_layers: int, given: str | None
     if "{}" not in given or "{" in rest or "}" in rest:
         raise ValueError(f"module_template must contain '{{}}' once, for the layer index, and no other braces; "
                          f"got {given!r}")
-    modules = {name[:i] for name in names for i, c in enumerate(name) if c == "."}
-    missing = [layer for layer in range(num_layers) if given.format(layer) not in modules]
+    found = _layers_with_module(names, given, num_layers)
+    missing = [layer for layer in range(num_layers) if layer not in found]
     if missing:
         examples = ", ".join(sorted(t.format(min(layers)) for t, layers in attention.items())) or "none found"
         raise ValueError(f"module_template {given!r} names no module of {directory} for layer(s) "
@@ -247,16 +259,33 @@ def _module_template(directory: pathlib.Path, num_layers: int, given: str | None
     return given
 
 
+def _layers_with_module(names: Iterable[str], template: str, num_layers: int) -> set[int]:
+    """The layers l < num_layers with a tensor named `template.format(l)` + '.' + more. The work
+    grows with the number of names and the template's length, not the names' (a name can be
+    megabytes): only the characters where the template and a layer index can stand are compared."""
+    head, tail = template.split("{}")
+    tail += "."
+    layers = {str(layer): layer for layer in range(num_layers)}
+    widths = {len(index) for index in layers}
+    found = set()
+    for name in names:
+        if name.startswith(head):
+            for width in widths:
+                index = name[len(head):len(head) + width]
+                if index in layers and name.startswith(tail, len(head) + width):
+                    found.add(layers[index])
+    return found
+
+
 def _projection_modules(names: Iterable[str]) -> dict[str, set[int]]:
     """{'model.layers.{}.self_attn': {0, 1, ...}}: the modules holding a K projection, by layer."""
     layers_by_template: dict[str, set[int]] = {}
     for name in names:
         suffix = next((s for s in _PROJECTIONS if name.endswith(s)), None)
-        match = _LAYER_INDEX.search(name[: -len(suffix)]) if suffix else None
-        if match:
-            module = name[: -len(suffix)]
-            template = module[: match.start(1)] + "{}" + module[match.end(1):]
-            layers_by_template.setdefault(template, set()).add(int(match.group(1)))
+        parsed = module_and_layer(name, suffix) if suffix else None
+        if parsed:
+            template, layer = parsed
+            layers_by_template.setdefault(template, set()).add(layer)
     return layers_by_template
 
 
