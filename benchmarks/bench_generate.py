@@ -258,14 +258,20 @@ def measure_column(model, shape: Shape, column: Column, steps: int, device: torc
 
 
 def busy_ms_per_step(model, cache, column: Column, batch: int, context: int, device: torch.device) -> float:
-    """The device's busy time per forward pass: the kernels' total time over PROFILED_STEPS more
-    steps (profiled, so not timed by the clock), divided by the steps. Against the step time it
+    """The device's busy time per forward pass: the time covered by kernels (overlapping ones
+    counted once: a dependent grid may start before its predecessor ends) over PROFILED_STEPS more
+    steps, profiled and so not timed by the clock, divided by the steps. Against the step time it
     shows how much of a step the device waits for the host."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
         decode(model, cache, column, batch, context, PROFILED_STEPS, device)
-    kernels = [event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(event.device_time for event in kernels) / 1e3 / PROFILED_STEPS
+    kernels = sorted((event.time_range.start, event.time_range.end) for event in profile.events()
+                     if event.device_type == torch.autograd.DeviceType.CUDA)
+    busy_us, covered_until = 0.0, -math.inf
+    for start, end in kernels:
+        busy_us += max(0.0, end - max(start, covered_until))
+        covered_until = max(covered_until, end)
+    return busy_us / 1e3 / PROFILED_STEPS
 
 
 def quantile(values: list[float], q: float) -> float:

@@ -38,10 +38,10 @@ install_wheels() {  # into a private folder put first on PYTHONPATH; no network,
     || echo "installing $WHEELS/*.whl failed: FlashInfer's columns will say why"
 }
 
-build_fp8kv() {  # README.md, Install
-  pip --version
-  pip install "scikit-build-core>=0.10" ninja \
-    && pip install --no-build-isolation . \
+build_fp8kv() {  # README.md, Install: the commands that install fp8kv, as written there
+  python3 -m pip --version
+  python3 -m pip install "scikit-build-core>=0.10" "cmake>=3.24" ninja \
+    && python3 -m pip install --no-build-isolation ".[hf]" \
     && python3 -c "import fp8kv, sys; sys.exit(0 if fp8kv.has_cuda_kernels() else 'fp8kv was built without CUDA kernels')"
 }
 

@@ -706,6 +706,27 @@ def test_scripts_print_help(script):
     assert "usage:" in result.stdout
 
 
+def test_run_all_builds_with_the_readme_install_commands():
+    install = (HERE.parent / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    blocks = [block.split("```", 1)[0] for block in install.split("```bash")[1:]]
+    (fp8kv_block,) = [block for block in blocks if "--no-build-isolation" in block]
+    readme_commands = [line.split("#")[0].strip() for line in fp8kv_block.splitlines() if "pip install" in line]
+    script = (HERE / "run_all.sh").read_text()
+    build = script[script.index("build_fp8kv() {"):].split("\n}\n", 1)[0]
+    script_commands = [line.strip().removeprefix("&& ").rstrip("\\").strip() for line in build.splitlines()
+                       if "pip install" in line]
+    assert readme_commands and script_commands == readme_commands
+    result = subprocess.run(["bash", "-n", str(HERE / "run_all.sh")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_run_all_refuses_unknown_arguments_and_empty_wheel_folders(tmp_path):
+    result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--fast"], capture_output=True, text=True)
+    assert result.returncode == 2 and "unknown argument: --fast" in result.stderr
+    result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--wheels", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 2 and "no .whl files there" in result.stderr
+
+
 def test_benchmarks_refuse_to_run_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
