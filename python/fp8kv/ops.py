@@ -9,8 +9,8 @@ import torch
 
 from . import _ops  # noqa: F401  (loads the library)
 
-__all__ = ["reshape_and_cache", "paged_attention", "kv_amax", "check_cache_write_indices",
-           "check_paged_attention_indices"]
+__all__ = sorted(["reshape_and_cache", "paged_attention", "kv_amax", "check_cache_write_indices",
+                  "check_paged_attention_indices"])
 
 
 def __dir__() -> list[str]:
