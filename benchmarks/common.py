@@ -207,7 +207,7 @@ def measure(build: Callable[[dict], Callable[[], object]], check: Callable[[obje
 
     build(info) returns the callable to time and may record facts in info (a backend, a setup
     time); check(output of a call) returns correctness facts (an error, mismatch counts). The graph
-    is checked too, after its floating-point outputs are poisoned (poison_outputs). A column that
+    is checked too, after its outputs are poisoned (poison_outputs). A column that
     cannot run gets {"error": ...}, a graph that cannot be captured {"graph": {"error": ...}}; the
     caller's other columns still run. Times used for comparisons: best_us()."""
     info: dict = {}
