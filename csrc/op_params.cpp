@@ -219,6 +219,11 @@ void check_key_value(const char* op, const at::Tensor& key, const at::Tensor& va
   check_same_device(op, "value", value, key, "key");
 }
 
+KeyValueInput key_value_input(const at::Tensor& key, const at::Tensor& value) {
+  return KeyValueInput{key.data_ptr(), value.data_ptr(), to_dtype(key.scalar_type()), key.stride(0), key.stride(1),
+                       value.stride(0), value.stride(1)};
+}
+
 }  // namespace
 
 CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
@@ -246,13 +251,7 @@ CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& val
                    {{"key", &key}, {"value", &value}, {"slot_mapping", &slot_mapping}, {"k_scale", &k_scale},
                     {"v_scale", &v_scale}});
 
-  p.key = key.data_ptr();
-  p.value = value.data_ptr();
-  p.src_dtype = to_dtype(key.scalar_type());
-  p.key_token_stride = key.stride(0);
-  p.key_head_stride = key.stride(1);
-  p.value_token_stride = value.stride(0);
-  p.value_head_stride = value.stride(1);
+  static_cast<KeyValueInput&>(p) = key_value_input(key, value);
   p.cache_dtype = to_dtype(cache_type);
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
   p.num_slots = slot_mapping.size(0);
@@ -372,13 +371,7 @@ AmaxParams amax_params(const at::Tensor& key, const at::Tensor& value, const at:
   constexpr const char* op = "fp8kv.kv_amax";
   check_key_value(op, key, value);
   AmaxParams p{};
-  p.key = key.data_ptr();
-  p.value = value.data_ptr();
-  p.src_dtype = to_dtype(key.scalar_type());
-  p.key_token_stride = key.stride(0);
-  p.key_head_stride = key.stride(1);
-  p.value_token_stride = value.stride(0);
-  p.value_head_stride = value.stride(1);
+  static_cast<KeyValueInput&>(p) = key_value_input(key, value);
   p.num_tokens = key.size(0);
   p.num_kv_heads = static_cast<int>(key.size(1));
   p.head_size = static_cast<int>(key.size(2));
