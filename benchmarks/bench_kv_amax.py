@@ -131,7 +131,7 @@ def main() -> None:
     plot = {"metric": "eff_tb_s", "ylabel": "bytes read / time (TB/s)",
             "lines": {"read": read_tb_s, f"{TARGET_READ_FRACTION:.0%} of read": TARGET_READ_FRACTION * read_tb_s},
             "series": [[FP8KV_COLUMN, FP8KV_COLUMN], [TORCH_COLUMN, TORCH_COLUMN]]}
-    common.finish_run("kv_amax", setup, rows, table(rows), plot, args)
+    common.finish_run("kv_amax", setup, rows, table, plot, args)
 
 
 if __name__ == "__main__":

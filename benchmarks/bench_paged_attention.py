@@ -278,7 +278,7 @@ def main() -> None:
                        ["bf16 SDPA (fastest form)", "@sdpa_best"], ["dequant+SDPA", "dequant+SDPA"],
                        ["FlashInfer FP8 (fastest)", "@flashinfer_best"]],
             "relative_to": ["bf16 SDPA", "@sdpa_best"]}
-    common.finish_run("paged_attention_decode", setup, rows, table(rows), plot, args)
+    common.finish_run("paged_attention_decode", setup, rows, table, plot, args)
 
 
 if __name__ == "__main__":

@@ -277,7 +277,7 @@ def main() -> None:
                        ["bf16 SDPA (fastest form)", "@sdpa_best"], ["FlashInfer FP8 (fastest)", "@flashinfer_best"],
                        ["fp8kv decode", "@decode_best"]],
             "relative_to": ["bf16 SDPA flash", "@sdpa_flash_best"]}
-    common.finish_run("paged_attention_prefill", setup, rows, table(rows), plot, args)
+    common.finish_run("paged_attention_prefill", setup, rows, table, plot, args)
 
 
 if __name__ == "__main__":

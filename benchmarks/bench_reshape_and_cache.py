@@ -184,7 +184,7 @@ def main() -> None:
     plot = {"metric": "eff_tb_s", "ylabel": "bytes read + written / time (TB/s)",
             "lines": {"copy": copy_tb_s, f"{TARGET_COPY_FRACTION:.0%} of copy": TARGET_COPY_FRACTION * copy_tb_s},
             "series": [[name, name] for name in (*FP8KV_COLUMNS, TORCH_COLUMN)]}
-    common.finish_run("reshape_and_cache", setup, rows, table(rows), plot, args)
+    common.finish_run("reshape_and_cache", setup, rows, table, plot, args)
 
 
 if __name__ == "__main__":

@@ -336,9 +336,11 @@ def targets_text(targets: dict[str, bool | None]) -> str:
 
 
 def errors_text(rows: list[dict]) -> str:
-    """Every column (or its graph) that did not run, with the reason; empty when all ran."""
+    """Every shape, column or column's graph that did not run, with the reason; empty when all ran."""
     lines = []
     for row in rows:
+        if "error" in row:
+            lines.append(f"  {row['label']}: {row['error']}")
         for name, column in row["columns"].items():
             if "error" in column:
                 lines.append(f"  {row['label']} / {name}: {column['error']}")
@@ -421,19 +423,26 @@ def start_run(description: str, shapes: list, quick_shapes: list, *, flashinfer:
 
 
 def measure_rows(shapes: list, measure_row: Callable[[object, int], dict]) -> list[dict]:
-    """measure_row(shape, index) for every shape, memory released after each, with progress."""
+    """measure_row(shape, index) for every shape, memory released after each, with progress. A shape
+    that fails outside its columns (its data did not fit, say) becomes {"label", "error"}; the
+    other shapes still run."""
     rows = []
     for index, shape in enumerate(shapes):
-        rows.append(measure_row(shape, index))
+        try:
+            rows.append(measure_row(shape, index))
+            status = ""
+        except Exception as exc:  # reported under the table and in the JSON, never fatal
+            rows.append({"label": shape.label, "error": error_text(exc), "columns": {}})
+            status = f": {rows[-1]['error']}"
         release_memory()
-        print(f"[{index + 1}/{len(shapes)}] {shape.label}", flush=True)
+        print(f"[{index + 1}/{len(shapes)}] {shape.label}{status}", flush=True)
     return rows
 
 
-def finish_run(benchmark_name: str, setup: Setup, rows: list[dict], table_text: str, plot: dict,
+def finish_run(benchmark_name: str, setup: Setup, rows: list[dict], table: Callable[[list[dict]], str], plot: dict,
                args: argparse.Namespace) -> None:
-    """Prints the table and the columns that did not run, writes the JSON and PNG asked for."""
-    print(table_text)
+    """Prints the table of the measured shapes and what did not run, writes the JSON and PNG asked for."""
+    print(table([row for row in rows if "error" not in row]))
     print(errors_text(rows))
     payload = run_header(benchmark_name, setup.device) | {
         "ceilings": setup.ceilings, "fp8kv": setup.ops_reason, "flashinfer": setup.flashinfer_reason,

@@ -371,6 +371,18 @@ def test_graph_that_does_not_write_its_output_fails_the_check(cpu_as_cuda, monke
     assert common.worst_rel_err(column) == math.inf
 
 
+def test_a_failing_shape_is_recorded_and_the_others_run(cpu_as_cuda, monkeypatch, tmp_path, capsys):
+    shapes = [amax.AmaxShape(64, False, TINY), amax.AmaxShape(-1, False, TINY), amax.AmaxShape(32, True, TINY)]
+    monkeypatch.setattr(amax, "default_shapes", lambda: shapes)
+    payload = run_main(amax, monkeypatch, tmp_path)
+    assert [row["label"] for row in payload["rows"]] == [s.label for s in shapes]
+    failed = payload["rows"][1]
+    assert failed["columns"] == {} and failed["error"].startswith("RuntimeError")  # randn of a negative size
+    assert "exact" in payload["rows"][0]["columns"][amax.FP8KV_COLUMN] or ops is None
+    printed = capsys.readouterr().out
+    assert f"  {shapes[1].label}: RuntimeError" in printed and shapes[2].label in printed.split("columns that")[0]
+
+
 def test_ceilings_use_the_probe_size(cpu_as_cuda):
     ceilings = common.measure_ceilings(CPU, HostFlush(CPU))
     assert ceilings.copy_bytes_per_s > 0 and ceilings.read_bytes_per_s > 0
