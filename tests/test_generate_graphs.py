@@ -21,7 +21,6 @@ from fp8kv.integrations.transformers import PagedCache, enable, new_tokens_mask 
 from test_transformers import PROMPT_LEN, prompt, tiny_model, ulp  # noqa: E402
 
 STEPS = 24
-GPU = [pytest.mark.gpu]
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -180,7 +179,9 @@ def test_compiled_decode_gives_eager_tokens_and_compiles_once(kind, backend, fre
         assert torch.equal(sampled, eager_sampled), f"sampled, seed {seed}"
     longer, _ = run(model, ids, mask, cache, compiled=config, steps=2 * STEPS)
     assert torch.equal(longer[:, :PROMPT_LEN + STEPS], eager_tokens)
-    assert graphs_compiled() == 1, "a reset cache of the same batch size reuses the graph"
+    another = PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=128, compileable=True)
+    assert torch.equal(run(model, ids, mask, another, compiled=config)[0], eager_tokens)
+    assert graphs_compiled() == 1, "a reset cache, or another one, of the same batch size reuses the graph"
     if backend == "aot_eager":  # without padding generate passes no mask: a second graph
         unpadded = ids[:1, :] if kind == "qwen2" else ids[:, 3:]
         eager_tokens, _ = run(model, unpadded, None, cache, compiled=None)
@@ -200,7 +201,7 @@ def test_compiled_decode_past_capacity_raises(fresh_dynamo):
         run(model, ids, mask, cache, compiled=compile_config("aot_eager"))
     # Row 0 (9 tokens) stayed at its capacity; row 1 (6 after its padding) took the 8 decode steps
     # run before the next step's check (on the CPU the flag is read at once).
-    assert cache._state.batch.seq_lens.tolist() == [16, 14]
+    assert cache.batch.seq_lens.tolist() == [16, 14]
 
 
 def test_prefill_past_capacity_and_tiny_caches_are_refused():
@@ -223,8 +224,10 @@ def test_prefill_past_capacity_and_tiny_caches_are_refused():
 def test_cuda_graph_decode_gives_eager_tokens(fresh_dynamo):
     model, ids, mask, cache = unambiguous_model("llama", "cuda", INDUCTOR_ULPS)
     eager_tokens, eager_logits = run(model, ids, mask, cache, compiled=None)
-    for _ in range(2):  # the first run records the graph, the second replays it
-        tokens, logits = run(model, ids, mask, cache, compiled=compile_config())
+    another = PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=128, compileable=True)
+    # The first run records the graph, the second replays it; another cache has new tensors.
+    for each_cache in (cache, cache, another):
+        tokens, logits = run(model, ids, mask, each_cache, compiled=compile_config())
         assert torch.equal(tokens, eager_tokens)
         assert (logits - eager_logits).abs().max() <= INDUCTOR_ULPS * ulp(eager_logits, torch.float16)
     assert graphs_compiled() == 1
@@ -264,11 +267,9 @@ def test_decode_host_work_does_not_grow_with_the_layers(fresh_dynamo):
 # ----------------------------------------------------------------------------- freeing
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=GPU)])
+@pytest.mark.parametrize("device,compiled", [("cpu", False), pytest.param("cuda", False, marks=pytest.mark.gpu),
+                                             pytest.param("cuda", True, marks=pytest.mark.gpu)])
 def test_storage_is_freed_with_the_cache_without_gc(device, compiled, fresh_dynamo):
-    if compiled and device == "cpu":
-        pytest.skip("CUDA graphs only on CUDA")
     model = enable(tiny_model("llama", torch.float16, device))
     ids, mask = prompt(device)
     model(ids, attention_mask=mask, past_key_values=PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=32))

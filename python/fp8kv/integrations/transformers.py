@@ -274,6 +274,12 @@ class PagedCache(Cache):
         return self._state.paged
 
     @property
+    def batch(self) -> FixedBatch | None:
+        """The batch's index tensors: block tables, lengths, the decode step's slots (None before
+        the first forward)."""
+        return self._state.batch
+
+    @property
     def memory_bytes(self) -> int:
         """Bytes of K/V storage (0 before the first forward)."""
         return 0 if self.paged is None else self.paged.memory_bytes
