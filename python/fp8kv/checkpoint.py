@@ -3,8 +3,9 @@
 Two layers: `read_checkpoint_scales` gathers everything the checkpoint says about KV cache scales
 (tensors, config hints, the legacy JSON file) and every problem with it, without raising for bad
 content; `load_kv_cache_config` turns that into the `KVCacheConfig` of one tensor-parallel rank
-and cache format, raising `CheckpointError` on any problem. `python -m fp8kv inspect` prints the
-former. `checkpoint_tensor_names` lists every tensor of a checkpoint and the file holding it.
+and cache format, raising `CheckpointError` on any problem. `CheckpointScales.report` describes
+the former (`python -m fp8kv inspect` prints it). `checkpoint_tensor_names` lists every tensor of
+a checkpoint and the file holding it.
 
 Checkpoint forms (attention module P, e.g. `model.layers.7.self_attn`):
 - `P.k_scale`, `P.v_scale` (vLLM, llm-compressor, TGI): shape [], [1], [num_kv_heads] or
@@ -123,6 +124,42 @@ class CheckpointScales:
     @property
     def has_scales(self) -> bool:
         return bool(self.k) or bool(self.legacy_json_scales)
+
+    def report(self) -> list[str]:
+        """The lines of a readable report: the model, what is declared, the scales (per layer, K and
+        V, with the tensor holding each), and every problem, or that there is none."""
+        lines = [
+            f"checkpoint:      {self.directory}",
+            f"model:           {self.model_type or '?'}, {self.num_layers or '?'} layers, "
+            f"{self.num_kv_heads or '?'} KV heads",
+            f"declared:        {', '.join(self.declared) or 'nothing (no kv_cache_scheme / kv_cache_quant_algo)'}",
+            f"scales:          {', '.join(self.forms) or 'none'}",
+            f"calibrated for:  {self.calibrated_for.value}",
+        ]
+        if self.k:
+            lines += self._scale_table()
+        elif self.legacy_json_scales:
+            lines.append(f"legacy JSON:     {self.legacy_json} (per tensor, one scale for K and V)")
+            lines += [f"  rank {rank}: {_values(layers)}" for rank, layers in enumerate(self.legacy_json_scales)]
+        elif not self.problems:
+            lines.append("note:            no KV cache scales: an e4m3 cache would use 1.0 in every layer (calibrate "
+                         "first); e5m2 and unquantized caches need none")
+        if self.problems:
+            return lines + ["", f"{len(self.problems)} problem(s):"] + [f"  - {p}" for p in self.problems]
+        return lines + ["", "no problems found"]
+
+    def _scale_table(self) -> list[str]:
+        per_head = any(len(s.values) > 1 for s in (*self.k, *self.v))
+        lines = [f"granularity:     {'per KV head' if per_head else 'per tensor'}", "",
+                 f"{'layer':>5}  {'kind':4}  scales"]
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            for kind, scale in (("K", k), ("V", v)):
+                lines.append(f"{layer:>5}  {kind:4}  {_values(scale.values)}    ({scale.tensor})")
+        return lines
+
+
+def _values(scales) -> str:
+    return " ".join(f"{s:.6g}" for s in scales)
 
 
 class SafetensorsHeader(NamedTuple):

@@ -210,38 +210,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
     with _blame("checkpoint"):
         found = read_checkpoint_scales(args.checkpoint, scales_json=args.scales_json)
-    print(f"checkpoint:      {found.directory}")
-    print(f"model:           {found.model_type or '?'}, {found.num_layers or '?'} layers, "
-          f"{found.num_kv_heads or '?'} KV heads")
-    print(f"declared:        {', '.join(found.declared) or 'nothing (no kv_cache_scheme / kv_cache_quant_algo)'}")
-    print(f"scales:          {', '.join(found.forms) or 'none'}")
-    print(f"calibrated for:  {found.calibrated_for.value}")
-    if found.k:
-        _print_scale_table(found)
-    elif found.legacy_json_scales:
-        print(f"legacy JSON:     {found.legacy_json} (per tensor, one scale for K and V)")
-        for rank, layers in enumerate(found.legacy_json_scales):
-            print(f"  rank {rank}: " + " ".join(f"{s:.6g}" for s in layers))
-    elif not found.problems:
-        print("note:            no KV cache scales: an e4m3 cache would use 1.0 in every layer (calibrate first); "
-              "e5m2 and unquantized caches need none")
-    if found.problems:
-        print(f"\n{len(found.problems)} problem(s):")
-        for problem in found.problems:
-            print(f"  - {problem}")
-        return 1
-    print("\nno problems found")
-    return 0
-
-
-def _print_scale_table(found) -> None:
-    per_head = any(len(s.values) > 1 for s in (*found.k, *found.v))
-    print(f"granularity:     {'per KV head' if per_head else 'per tensor'}")
-    print(f"\n{'layer':>5}  {'kind':4}  scales")
-    for layer, (k, v) in enumerate(zip(found.k, found.v)):
-        for kind, scale in (("K", k), ("V", v)):
-            values = " ".join(f"{s:.6g}" for s in scale.values)
-            print(f"{layer:>5}  {kind:4}  {values}    ({scale.tensor})")
+    print("\n".join(found.report()))
+    return 1 if found.problems else 0
 
 
 def _check_calibration_arguments(args: argparse.Namespace) -> None:
@@ -300,35 +270,22 @@ def _calibrate(args: argparse.Namespace) -> int:
     batches = _calibration_batches(args)
 
     import torch
-    from transformers import AutoModelForCausalLM
 
-    from .calibration import CalibrationError, calibrate, export_checkpoint, export_legacy_json, scales_file
-    from .checkpoint import CONFIG_FILE
-    from .formats import KVCacheDtype
+    from .calibration import CalibrationError, calibrate_checkpoint
 
-    fmt = KVCacheDtype(args.format)
-    device = args.device or _default_device()
-    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    with _blame("--model"):
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device)
-    with _blame("--model", (CalibrationError,)):  # layers whose attention never showed their K/V
-        amax = calibrate(model, batches, granularity=args.granularity, progress=not args.no_progress)
-    with _blame("--data", (CalibrationError,)):  # NaN, inf or all-zero K/V
-        kv_cache = amax.scales(fmt, margin=args.margin, zero_amax=args.zero_amax)
-    with _blame("--out"):
-        export_checkpoint(args.model, args.out, kv_cache)
-    if args.legacy_json:
-        with _blame("--legacy-json"):
-            export_legacy_json(args.legacy_json, kv_cache, model_type=getattr(model.config, "model_type", None))
-
-    print(f"calibrated {kv_cache.num_layers} layers on {amax.num_tokens} tokens ({device}, {model.dtype}), "
-          f"per {amax.granularity}, for {fmt.value}, margin {args.margin:g}")
-    print(f"\n{'layer':>5}  {'K amax':>10} {'K scale':>11}  {'V amax':>10} {'V scale':>11}   (largest over heads)")
-    for layer in range(kv_cache.num_layers):
-        print(f"{layer:>5}  {max(amax.k[layer]):>10.4g} {max(kv_cache.k_scales[layer]):>11.4g}  "
-              f"{max(amax.v[layer]):>10.4g} {max(kv_cache.v_scales[layer]):>11.4g}")
-    print(f"\nwrote {args.out} (scales in {scales_file(args.out)}, declared in {CONFIG_FILE})"
-          + (f" and {args.legacy_json}" if args.legacy_json else ""))
+    blamed = {  # step of calibrate_checkpoint: the argument its errors are reported against, which errors
+        "load": ("--model", (OSError, ValueError)),
+        "observe": ("--model", (CalibrationError,)),  # layers whose attention never showed their K/V
+        "scales": ("--data", (CalibrationError,)),  # NaN, inf or all-zero K/V
+        "export": ("--out", (OSError, ValueError)),
+        "legacy_json": ("--legacy-json", (OSError, ValueError)),
+    }
+    result = calibrate_checkpoint(
+        args.model, batches, args.out, fmt=args.format, granularity=args.granularity, margin=args.margin,
+        zero_amax=args.zero_amax, device=args.device or _default_device(),
+        dtype="auto" if args.dtype == "auto" else getattr(torch, args.dtype), legacy_json=args.legacy_json,
+        progress=not args.no_progress, around_step=lambda step: _blame(*blamed[step]))
+    print(result.summary())
     return 0
 
 

@@ -4,6 +4,11 @@
     kv_cache = amax.scales("float8_e4m3fn")                       # s = amax / 448, a KVCacheConfig
     export_checkpoint(model_dir, out_dir, kv_cache)               # k_scale/v_scale + kv_cache_scheme
 
+or all at once, from a checkpoint directory (what `python -m fp8kv calibrate` runs):
+
+    result = calibrate_checkpoint(model_dir, batches, out_dir, granularity="head")
+    print(result.summary())                                       # per-layer maxima and scales, files
+
 Modules, bottom to top:
 - `scales`: `KVAmax.scales` turns maxima into dequantization scales s = amax * margin /
   max_finite(format), refusing NaN/inf maxima and all-zero heads (or giving those scale 1.0 when
@@ -21,15 +26,19 @@ Modules, bottom to top:
   and declares them in config.json as a compressed-tensors `kv_cache_scheme`;
   `export_legacy_json` writes the legacy kv_cache_scales.json. Both write all or nothing through
   `fp8kv.commit` (whose journal the checkpoint loader also reads: a committed export reads as done).
+- `pipeline`: `calibrate_checkpoint` loads a transformers checkpoint, calibrates, makes the scales
+  and exports them; its `CheckpointCalibration` result holds the maxima, the scales, the files.
 """
 
 from .data import make_batches, text_sequences, token_id_sequences
 from .export import SCALES_FILE, SINGLE_FILE, export_checkpoint, export_legacy_json, scales_file
 from .observe import GRANULARITIES, KVCalibrator, calibrate, observe_model
+from .pipeline import CheckpointCalibration, calibrate_checkpoint
 from .scales import ZERO_AMAX_POLICIES, CalibrationError, KVAmax
 
 __all__ = [
     "CalibrationError",
+    "CheckpointCalibration",
     "GRANULARITIES",
     "KVAmax",
     "KVCalibrator",
@@ -37,6 +46,7 @@ __all__ = [
     "SINGLE_FILE",
     "ZERO_AMAX_POLICIES",
     "calibrate",
+    "calibrate_checkpoint",
     "export_checkpoint",
     "export_legacy_json",
     "make_batches",

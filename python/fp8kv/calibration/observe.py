@@ -16,6 +16,11 @@ from .scales import CalibrationError, KVAmax
 GRANULARITIES = ("tensor", "head")
 
 
+def check_granularity(granularity: str) -> None:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+
+
 class KVCalibrator:
     """Running max |K| and max |V| of every layer, per tensor or per KV head.
 
@@ -28,8 +33,7 @@ class KVCalibrator:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads)):
             if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if granularity not in GRANULARITIES:
-            raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        check_granularity(granularity)
         self.num_layers, self.num_kv_heads, self.granularity = num_layers, num_kv_heads, granularity
         self._k_amax: list[torch.Tensor | None] = [None] * num_layers
         self._v_amax: list[torch.Tensor | None] = [None] * num_layers

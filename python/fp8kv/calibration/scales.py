@@ -22,6 +22,19 @@ class CalibrationError(ValueError):
         super().__init__(f"calibration failed ({len(self.problems)} problem(s)):\n{lines}")
 
 
+def check_scale_arguments(fmt: KVCacheDtype | str, margin: float, zero_amax: str) -> KVCacheDtype:
+    """Raises ValueError naming the first bad argument of `KVAmax.scales`; returns `fmt` parsed."""
+    fmt = KVCacheDtype.parse(fmt)
+    if not fmt.is_e4m3:
+        raise ValueError(f"scales are calibrated for an e4m3 format (float8_e4m3fn or float8_e4m3fnuz), got "
+                         f"{fmt.value}; an e5m2 cache loads e4m3fn scales unchanged")
+    if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin >= 1.0):
+        raise ValueError(f"margin must be a finite number >= 1, got {margin!r}")
+    if zero_amax not in ZERO_AMAX_POLICIES:
+        raise ValueError(f"zero_amax must be one of {ZERO_AMAX_POLICIES}, got {zero_amax!r}")
+    return fmt
+
+
 @dataclass(frozen=True)
 class KVAmax:
     """max |K| and max |V| per layer: 1 value (per tensor) or num_kv_heads values in global head order.
@@ -48,14 +61,7 @@ class KVAmax:
             naming it; 'unit' gives it scale 1.0, the uncalibrated default, and warns naming it.
         NaN or inf maxima always raise CalibrationError naming layer, K/V and head.
         """
-        fmt = KVCacheDtype.parse(fmt)
-        if not fmt.is_e4m3:
-            raise ValueError(f"scales are calibrated for an e4m3 format (float8_e4m3fn or float8_e4m3fnuz), got "
-                             f"{fmt.value}; an e5m2 cache loads e4m3fn scales unchanged")
-        if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin >= 1.0):
-            raise ValueError(f"margin must be a finite number >= 1, got {margin!r}")
-        if zero_amax not in ZERO_AMAX_POLICIES:
-            raise ValueError(f"zero_amax must be one of {ZERO_AMAX_POLICIES}, got {zero_amax!r}")
+        fmt = check_scale_arguments(fmt, margin, zero_amax)
         problems, zeros = [], []
         k = self._scales("K", self.k, fmt, margin, problems, zeros)
         v = self._scales("V", self.v, fmt, margin, problems, zeros)
