@@ -150,8 +150,8 @@ class _PagedState:
             raise RuntimeError("PagedCache: the first step of a batch must run eagerly (generate's prefill does)")
         blocks_per_seq = self.num_blocks // batch_size
         if blocks_per_seq == 0:
-            raise CacheFullError(f"PagedCache: {self.num_blocks} blocks of {self.block_size} tokens cannot give each of "
-                                 f"{batch_size} sequences a block; allocate a larger cache")
+            raise CacheFullError(f"PagedCache: {self.num_blocks} blocks of {self.block_size} tokens cannot give each "
+                                 f"of {batch_size} sequences a block; allocate a larger cache")
         if self.batch is not None and self.batch.num_seqs == batch_size:
             self.batch.clear()
         else:
