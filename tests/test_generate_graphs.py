@@ -280,7 +280,7 @@ def test_storage_is_freed_with_the_cache_without_gc(device, compiled, fresh_dyna
         cache = PagedCache(KVCacheConfig.unit_scales("fp8_e4m3fn", 2), max_tokens=4096, compileable=compiled)
         tokens = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False,
                                 pad_token_id=0, **(dict(compile_config=compile_config()) if compiled else {}))
-        storage = weakref.ref(cache.paged._storage)
+        storage = weakref.ref(cache.paged.storage)
         del cache, tokens
         assert storage() is None, "the storage outlived the last reference to its cache"
         if device == "cuda" and not compiled:  # CUDA graphs keep a memory pool of their own

@@ -305,6 +305,11 @@ class PagedKVCache:
         return self.allocator.num_blocks
 
     @property
+    def storage(self) -> torch.Tensor:
+        """The one allocation behind every layer's caches: [num_layers, 2 (K, V), num_blocks, ...]."""
+        return self._storage
+
+    @property
     def memory_bytes(self) -> int:
         return self._storage.numel() * self._storage.element_size()
 

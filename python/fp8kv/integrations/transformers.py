@@ -104,7 +104,7 @@ class _PagedState:
                                       num_blocks=self.num_blocks, block_size=self.block_size,
                                       model_dtype=key.dtype, device=key.device, layout=self.layout)
             self.seen = torch.zeros((), dtype=torch.int64, device=key.device)
-            _mark_static(self.paged._storage, self.seen)
+            _mark_static(self.paged.storage, self.seen)
 
     def attend(self, layer_idx, query, key, value, new_tokens, scaling, sliding_window, softcap) -> torch.Tensor:
         """Writes the layer's new K/V into the paged cache and attends; returns [batch, new, heads, head_size]."""
@@ -130,7 +130,7 @@ class _PagedState:
         elif self.batch.num_seqs != batch_size:
             raise ValueError(f"PagedCache holds {self.batch.num_seqs} sequences, the input has {batch_size} rows; "
                              "reset() it or use a new PagedCache for a new batch")
-        if new == 1:
+        if new == 1:  # a padded row's new token gets no slot; its (ignored) output attends over its cache
             self.batch.append_one(None if new_tokens is None else new_tokens.reshape(batch_size))
         else:
             rows = None
@@ -232,9 +232,10 @@ class PagedCache(Cache):
     """A transformers Cache backed by fp8kv's PagedKVCache in the format of `kv_cache`.
 
     kv_cache: the format and per-layer scales (e.g. from fp8kv.load_kv_cache_config).
-    max_tokens: cache capacity in tokens for the whole batch: each of the batch's sequences gets an
-        equal share of whole blocks of `block_size` tokens (max_tokens >= batch * (prompt + new
-        tokens), rounded up to blocks, fits every sequence).
+    max_tokens: the capacity in tokens for the whole batch. Each of the batch's sequences gets an
+        equal share in whole blocks of `block_size` tokens: batch * (prompt + new tokens) fits every
+        sequence. Size it to the need: the block tables are as wide as a share, and the decode
+        kernel plans its split-KV work from their width (the lengths live on the device).
     compileable: lets `generate` compile the decode step (transformers' static-cache path: on CUDA
         by default, elsewhere with `compile_config._compile_all_devices`); `generate(...,
         disable_compile=True)` turns it off for one call.
