@@ -13,20 +13,20 @@ if(_rocm_path STREQUAL "")
 endif()
 list(APPEND CMAKE_PREFIX_PATH "${_rocm_path}" "${_rocm_path}/lib/cmake")
 
-set(_hip_archs "$ENV{PYTORCH_ROCM_ARCH}")
-if(_hip_archs STREQUAL "")
-  set(_hip_archs "gfx90a;gfx942")
+# Only CDNA (gfx9*) targets have the 64-lane wavefronts the kernels are written for.
+set(_cdna_pattern "^gfx9[0-9a-f]+(:[a-z]+[+-])*$")
+string(REGEX REPLACE "[ ,]+" ";" _hip_archs "$ENV{PYTORCH_ROCM_ARCH}")
+if(NOT _hip_archs)
+  set(_hip_archs gfx90a gfx942)
 endif()
-string(REGEX REPLACE "[ ,]+" ";" _hip_archs "${_hip_archs}")
-set(_cdna_archs "")
-foreach(_arch IN LISTS _hip_archs)
-  if(_arch MATCHES "^gfx9[0-9a-f]+(:[a-z]+[+-])*$")
-    list(APPEND _cdna_archs "${_arch}")
-  else()
-    message(WARNING "fp8kv: skipping PYTORCH_ROCM_ARCH entry '${_arch}': the HIP kernels need a CDNA (gfx9*) "
-                    "target with 64-lane wavefronts")
-  endif()
-endforeach()
+set(_cdna_archs ${_hip_archs})
+list(FILTER _cdna_archs INCLUDE REGEX "${_cdna_pattern}")
+set(_other_archs ${_hip_archs})
+list(FILTER _other_archs EXCLUDE REGEX "${_cdna_pattern}")
+if(_other_archs)
+  message(WARNING "fp8kv: skipping PYTORCH_ROCM_ARCH entries '${_other_archs}': the HIP kernels need CDNA (gfx9*) "
+                  "targets with 64-lane wavefronts")
+endif()
 if(NOT _cdna_archs)
   message(FATAL_ERROR "fp8kv: no CDNA (gfx9*) target in PYTORCH_ROCM_ARCH='${_hip_archs}'")
 endif()
@@ -38,10 +38,10 @@ enable_language(HIP)
 find_package(hip REQUIRED CONFIG)
 message(STATUS "fp8kv: HIP kernels (torch HIP '${TORCH_HIP_VERSION}', hip ${hip_VERSION}) for ${CMAKE_HIP_ARCHITECTURES}")
 
-# The kernels and launchers (framework-free) and the registrations. check_fp8_unpack.cpp is a host
-# check run by scripts/check_hip_sources.sh, not part of the library.
-file(GLOB _hip_sources CONFIGURE_DEPENDS "${CMAKE_CURRENT_LIST_DIR}/../csrc/hip/*.hip")
-list(APPEND FP8KV_SOURCES ${_hip_sources} "${CMAKE_CURRENT_LIST_DIR}/../csrc/hip/bindings.cpp")
+# The kernels and launchers (framework-free) and the GPU registrations (shared with CUDA).
+file(GLOB _hip_sources CONFIGURE_DEPENDS "${CMAKE_CURRENT_LIST_DIR}/../csrc/hip/*.hip"
+     "${CMAKE_CURRENT_LIST_DIR}/../csrc/gpu/*.cpp")
+list(APPEND FP8KV_SOURCES ${_hip_sources})
 
 function(fp8kv_link_hip target)
   # USE_ROCM and __HIP_PLATFORM_AMD__ as torch's own extension builds set them for its ROCm headers.

@@ -3,24 +3,12 @@
 // consume them, so a kernel never sees a torch type.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
+#include "dispatch.h"
+
 namespace fp8kv {
-
-enum class DType : int {
-  kFloat16,
-  kBFloat16,
-  kFloat32,
-  kFloat8E4M3FN,
-  kFloat8E5M2,
-  kFloat8E4M3FNUZ,
-};
-
-inline bool is_fp8(DType t) {
-  return t == DType::kFloat8E4M3FN || t == DType::kFloat8E5M2 || t == DType::kFloat8E4M3FNUZ;
-}
-
-inline int dtype_bytes(DType t) { return t == DType::kFloat32 ? 4 : is_fp8(t) ? 1 : 2; }
 
 // One K or V cache: logical [num_blocks, block_size, num_kv_heads, head_size], last dim contiguous.
 struct CacheView {
@@ -34,14 +22,20 @@ struct CacheView {
 struct HeadScalars {
   float* data;
   bool per_head;
+
+  FP8KV_HOST_DEVICE float* at(int kv_head) const { return data + (per_head ? kv_head : 0); }
 };
 
-struct CacheWriteParams {
+// key and value: [num_tokens, num_kv_heads, head_size], last dim contiguous, same dtype.
+struct KeyValueInput {
   const void* key;
   const void* value;
   DType src_dtype;
   int64_t key_token_stride, key_head_stride;
   int64_t value_token_stride, value_head_stride;
+};
+
+struct CacheWriteParams : KeyValueInput {
   CacheView key_cache, value_cache;
   DType cache_dtype;
   const int64_t* slot_mapping;
@@ -72,12 +66,24 @@ struct PagedAttentionParams {
   float logits_soft_cap;  // <= 0: none
 };
 
-struct AmaxParams {
-  const void* key;
-  const void* value;
-  DType src_dtype;
-  int64_t key_token_stride, key_head_stride;
-  int64_t value_token_stride, value_head_stride;
+// The cache positions [begin, end) that query token `token` of a sequence's q_len query tokens sees,
+// when the sequence has seq_len cached tokens (its query tokens last): causal, so up to its own
+// position seq_len - q_len + token, and within the sliding window (<= 0: none). Int is the caller's
+// index type (int32 in the kernels, int64 where seq_len is unchecked).
+template <typename Int>
+struct KeyRange {
+  Int begin, end;
+};
+
+template <typename Int>
+FP8KV_HOST_DEVICE KeyRange<Int> visible_keys(Int seq_len, Int q_len, Int token, Int sliding_window) {
+  // `end` is recomputed inside the window's branch: computed once up front, it lets the compiler turn
+  // the branch into selects, which shifts the multi-token kernel's register allocation.
+  const auto end = [&] { return seq_len - q_len + token + 1; };
+  return {sliding_window > 0 ? std::max(Int{0}, end() - sliding_window) : Int{0}, end()};
+}
+
+struct AmaxParams : KeyValueInput {
   int64_t num_tokens;
   int num_kv_heads, head_size;
   HeadScalars k_amax, v_amax;

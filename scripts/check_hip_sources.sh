@@ -3,10 +3,10 @@
 # GPU or a ROCm torch:
 #   1. every csrc/hip/*.hip (kernels and launchers) compiled by hipcc for gfx90a (MI200) and gfx940
 #      (MI300 family; Debian's ROCm 5.2 / clang 15 predates gfx942), warnings as errors;
-#   2. csrc/hip/bindings.cpp syntax-checked against the installed torch's headers (a CPU build is
-#      fine: the file uses only c10's device-generic API);
-#   3. csrc/hip/check_fp8_unpack.cpp built and run on the host: the kernels' FP8 unpacking equals the
-#      shared codec for every code;
+#   2. csrc/gpu/bindings.cpp, built for HIP, syntax-checked against the installed torch's headers (a
+#      CPU build is fine: the file uses only c10's device-generic API);
+#   3. csrc/checks/check_numerics.cpp built and run on the host: the framework-free numerics the
+#      kernels use (FP8 unpacking, 16-bit conversions) checked for every code;
 #   4. the kernels' unmodified sources built against a host emulation of HIP (csrc/hip/emulation) and
 #      run against independent references: cache bytes exact, amax exact, attention vs float64.
 # Installs Debian's hipcc when missing (needs root and apt). Nothing is linked against ROCm torch and
@@ -47,17 +47,18 @@ printf '%s\n' "${jobs[@]}" | OUT="$out" xargs -P "$(nproc)" -L 1 bash -c '
 echo "hipcc: ${#jobs[@]} compilations in $(elapsed "$start")"
 
 start=$(now)
-echo "g++ (HIP bindings, torch headers): csrc/hip/bindings.cpp"
-g++ -std=c++17 -fsyntax-only -Wall -Werror -D__HIP_PLATFORM_AMD__=1 -DUSE_ROCM=1 -D_GLIBCXX_USE_CXX11_ABI="$ABI" \
-  -isystem "$TORCH_DIR/include" -isystem "$TORCH_DIR/include/torch/csrc/api/include" csrc/hip/bindings.cpp
+echo "g++ (GPU bindings for HIP, torch headers): csrc/gpu/bindings.cpp"
+g++ -std=c++17 -fsyntax-only -Wall -Werror -DFP8KV_WITH_HIP -D__HIP_PLATFORM_AMD__=1 -DUSE_ROCM=1 \
+  -D_GLIBCXX_USE_CXX11_ABI="$ABI" -isystem "$TORCH_DIR/include" -isystem "$TORCH_DIR/include/torch/csrc/api/include" \
+  csrc/gpu/bindings.cpp
 echo "bindings: $(elapsed "$start")"
 
-g++ -std=c++17 -O2 -Wall -Werror csrc/hip/check_fp8_unpack.cpp -o "$out/check_fp8_unpack"
-"$out/check_fp8_unpack"
+g++ -std=c++17 -O2 -Wall -Werror csrc/checks/check_numerics.cpp -o "$out/check_numerics"
+"$out/check_numerics"
 
 start=$(now)
 echo "g++ (HIP kernels on the host emulation): csrc/hip/*.hip + csrc/hip/emulation/run_kernels.cpp"
-g++ -std=c++20 -O1 -pthread -Wall -Werror -Wno-unknown-pragmas -Icsrc/hip/emulation \
+g++ -std=c++20 -O1 -pthread -Wall -Werror -Wno-unknown-pragmas -DFP8KV_WITH_HIP -Icsrc/hip/emulation \
   -x c++ csrc/hip/*.hip -x none csrc/hip/emulation/run_kernels.cpp -o "$out/run_kernels"
 "$out/run_kernels"
 echo "emulation: $(elapsed "$start")"

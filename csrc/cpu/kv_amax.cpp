@@ -5,19 +5,17 @@
 
 #include <ATen/Parallel.h>
 
+#include "../elements.h"
 #include "elements.h"
 #include "kernels.h"
 
 namespace fp8kv::cpu {
 namespace {
 
-// max that propagates NaN from either side.
-float nan_max(float a, float b) { return (std::isnan(a) || std::isnan(b)) ? std::numeric_limits<float>::quiet_NaN() : (a > b ? a : b); }
-
-template <typename Src>
+template <DType Src>
 float head_amax(const void* base, int64_t token_stride, int64_t head_stride, int64_t num_tokens, int head,
                 int head_size) {
-  const auto* data = static_cast<const typename Src::Storage*>(base);
+  const auto* data = static_cast<const typename Element<Src>::Storage*>(base);
   float amax = 0.0f;
   int64_t nan_count = 0;  // counted apart: a vectorized max reduction need not propagate NaN
   for (int64_t t = 0; t < num_tokens; ++t) {
@@ -25,7 +23,7 @@ float head_amax(const void* base, int64_t token_stride, int64_t head_stride, int
     float row_max = 0.0f;
 #pragma omp simd reduction(max : row_max) reduction(+ : nan_count)
     for (int d = 0; d < head_size; ++d) {
-      const float x = std::fabs(Src::load(row, d));
+      const float x = std::fabs(Element<Src>::to_float(row[d]));
       nan_count += x != x;
       row_max = x > row_max ? x : row_max;
     }
@@ -50,8 +48,8 @@ void kv_amax(const AmaxParams& p) {
   if (p.num_tokens == 0) return;
   const int heads = p.num_kv_heads;
   std::vector<float> key_heads(heads), value_heads(heads);
-  dispatch_float_type(p.src_dtype, [&](auto src) {
-    using Src = decltype(src);
+  dispatch_source_dtype(p.src_dtype, [&](auto src) {
+    constexpr DType Src = decltype(src)::value;
     // Items 0..heads-1 reduce K heads, heads..2*heads-1 reduce V heads.
     at::parallel_for(0, 2 * heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {

@@ -11,6 +11,7 @@
 
 #include <ATen/Parallel.h>
 
+#include "../elements.h"
 #include "elements.h"
 #include "kernels.h"
 
@@ -37,10 +38,10 @@ void load_tile(const PagedAttentionParams& p, const CacheView& cache, const int3
     if (table != nullptr) {
       for (int d = 0; d < p.head_size; ++d) out[d] = table[row[d]];
     } else {
-      dispatch_float_type(p.cache_dtype, [&](auto type) {
-        using T = decltype(type);
+      dispatch_source_dtype(p.cache_dtype, [&](auto type) {
+        using T = Element<decltype(type)::value>;
         const auto* values = reinterpret_cast<const typename T::Storage*>(row);
-        for (int d = 0; d < p.head_size; ++d) out[d] = T::load(values, d);
+        for (int d = 0; d < p.head_size; ++d) out[d] = T::to_float(values[d]);
       });
     }
   }
@@ -64,8 +65,9 @@ struct Scratch {
   std::vector<int> lo, hi;
 };
 
-template <typename Q>
+template <DType kQuery>
 void attend(const PagedAttentionParams& p, const WorkItem& item, int kv_head, Scratch& s) {
+  using Q = Element<kQuery>;
   const int group = p.num_heads / p.num_kv_heads;
   const int d_size = p.head_size;
   const int rows = item.num_tokens * group;
@@ -75,8 +77,8 @@ void attend(const PagedAttentionParams& p, const WorkItem& item, int kv_head, Sc
   const int32_t* block_table = p.block_tables + item.seq * p.block_table_stride;
   // An unquantized cache holds the values themselves: scales do not apply (as in the cache write).
   const bool quantized = is_fp8(p.cache_dtype);
-  const float k_scale = quantized ? p.k_scale.data[p.k_scale.per_head ? kv_head : 0] : 1.0f;
-  const float v_scale = quantized ? p.v_scale.data[p.v_scale.per_head ? kv_head : 0] : 1.0f;
+  const float k_scale = quantized ? *p.k_scale.at(kv_head) : 1.0f;
+  const float v_scale = quantized ? *p.v_scale.at(kv_head) : 1.0f;
   const float logit_scale = p.softmax_scale * k_scale;
   const bool soft_cap = p.logits_soft_cap > 0.0f;
 
@@ -97,10 +99,10 @@ void attend(const PagedAttentionParams& p, const WorkItem& item, int kv_head, Sc
     const auto* q = reinterpret_cast<const typename Q::Storage*>(p.query) + (q_begin + token) * p.query_token_stride +
                     head * p.query_head_stride;
     float* qf = s.query.data() + static_cast<int64_t>(r) * d_size;
-    for (int d = 0; d < d_size; ++d) qf[d] = Q::load(q, d);
-    // Causal: the token at position seq_len - q_len + token sees positions up to itself.
-    s.hi[r] = seq_len - q_len + token + 1;
-    s.lo[r] = p.sliding_window > 0 ? std::max(0, s.hi[r] - p.sliding_window) : 0;
+    for (int d = 0; d < d_size; ++d) qf[d] = Q::to_float(q[d]);
+    const KeyRange<int> keys = visible_keys(seq_len, q_len, token, p.sliding_window);
+    s.lo[r] = keys.begin;
+    s.hi[r] = keys.end;
   }
   const int range_lo = std::max(0, s.lo[0]);
   const int range_hi = std::max(0, s.hi[rows - 1]);
@@ -158,7 +160,7 @@ void attend(const PagedAttentionParams& p, const WorkItem& item, int kv_head, Sc
     // A row that sees no keys (a decode row with seq_len 0, i.e. batch padding) outputs zeros.
     const float out_scale = s.row_sum[r] > 0.0f ? v_scale / s.row_sum[r] : 0.0f;
     const float* acc = s.acc.data() + static_cast<int64_t>(r) * d_size;
-    for (int d = 0; d < d_size; ++d) Q::store(o, d, acc[d] * out_scale);
+    for (int d = 0; d < d_size; ++d) o[d] = Q::from_float(acc[d] * out_scale);
   }
 }
 
@@ -173,12 +175,12 @@ void paged_attention(const PagedAttentionParams& p) {
     }
   }
   const int64_t num_work = static_cast<int64_t>(items.size()) * p.num_kv_heads;
-  dispatch_float_type(p.query_dtype, [&](auto type) {
-    using Q = decltype(type);
+  dispatch_source_dtype(p.query_dtype, [&](auto query) {
+    constexpr DType kQuery = decltype(query)::value;
     at::parallel_for(0, num_work, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch;
       for (int64_t w = begin; w < end; ++w) {
-        attend<Q>(p, items[w / p.num_kv_heads], static_cast<int>(w % p.num_kv_heads), scratch);
+        attend<kQuery>(p, items[w / p.num_kv_heads], static_cast<int>(w % p.num_kv_heads), scratch);
       }
     });
   });

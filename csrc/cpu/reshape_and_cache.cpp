@@ -3,38 +3,34 @@
 
 #include <ATen/Parallel.h>
 
+#include "../elements.h"
 #include "elements.h"
 #include "kernels.h"
 
 namespace fp8kv::cpu {
 namespace {
 
-template <Fp8Format F, typename Src>
+template <DType F, DType Src>
 void quantize_row(const void* src, uint8_t* dst, float scale, int head_size) {
-  const auto* in = static_cast<const typename Src::Storage*>(src);
-  for (int d = 0; d < head_size; ++d) dst[d] = fp8_encode<F>(Src::load(in, d) / scale);
+  const auto* in = static_cast<const typename Element<Src>::Storage*>(src);
+  for (int d = 0; d < head_size; ++d) dst[d] = fp8_encode<F>(Element<Src>::to_float(in[d]) / scale);
 }
 
 using RowWriter = void (*)(const void* src, uint8_t* dst, float scale, int head_size);
-
-template <typename Src>
-RowWriter fp8_row_writer(DType cache_dtype) {
-  switch (cache_dtype) {
-    case DType::kFloat8E4M3FN: return &quantize_row<Fp8Format::kE4M3FN, Src>;
-    case DType::kFloat8E5M2: return &quantize_row<Fp8Format::kE5M2, Src>;
-    case DType::kFloat8E4M3FNUZ: return &quantize_row<Fp8Format::kE4M3FNUZ, Src>;
-    default: return nullptr;
-  }
-}
 
 }  // namespace
 
 void reshape_and_cache(const CacheWriteParams& p) {
   // An unquantized cache has the source dtype: rows are copied bit for bit and scales do not apply.
   const bool quantized = is_fp8(p.cache_dtype);
-  const RowWriter quantize = quantized ? dispatch_float_type(p.src_dtype, [&](auto src) {
-    return fp8_row_writer<decltype(src)>(p.cache_dtype);
-  }) : nullptr;
+  RowWriter quantize = nullptr;
+  if (quantized) {
+    dispatch_source_dtype(p.src_dtype, [&](auto src) {
+      quantize = dispatch<kFp8DTypes>(p.cache_dtype, quantize, [](auto fp8) {
+        return &quantize_row<decltype(fp8)::value, decltype(src)::value>;
+      });
+    });
+  }
   const int64_t src_bytes = dtype_bytes(p.src_dtype);
   const int64_t cache_bytes = dtype_bytes(p.cache_dtype);
   const int64_t row_bytes = p.head_size * cache_bytes;
@@ -46,7 +42,7 @@ void reshape_and_cache(const CacheWriteParams& p) {
       auto* dst = static_cast<uint8_t*>(cache.data) +
                   (block * cache.block_stride + offset * cache.token_stride + h * cache.head_stride) * cache_bytes;
       if (quantized) {
-        quantize(src, dst, scale.data[scale.per_head ? h : 0], p.head_size);
+        quantize(src, dst, *scale.at(h), p.head_size);
       } else {
         std::memcpy(dst, src, row_bytes);
       }

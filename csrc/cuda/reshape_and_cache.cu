@@ -24,15 +24,15 @@ struct Source<float> {
 };
 
 // x / scale encoded; the division is IEEE (fp32, round to nearest) like the CPU codec's input.
-template <Fp8Format F>
+template <DType F>
 __device__ __forceinline__ uint8_t quantize(float x, float scale) {
   const float y = __fdiv_rn(x, scale);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  if constexpr (F == Fp8Format::kE4M3FN || F == Fp8Format::kE5M2) {
+  if constexpr (F == DType::kFloat8E4M3FN || F == DType::kFloat8E5M2) {
     // The hardware conversion is the contract's reference; NaN is pinned to the canonical code.
     if (isnan(y)) return Fp8Traits<F>::kNanCode;
     uint16_t pair;
-    if constexpr (F == Fp8Format::kE4M3FN) {
+    if constexpr (F == DType::kFloat8E4M3FN) {
       asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(pair) : "f"(0.0f), "f"(y));
     } else {
       asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;\n" : "=h"(pair) : "f"(0.0f), "f"(y));
@@ -55,9 +55,7 @@ __device__ __forceinline__ void write_chunk(const Src* src, uint8_t* dst, float 
       for (int i = 0; i < kVec; ++i) reinterpret_cast<Src*>(dst)[i] = src[i];
     }
   } else {
-    constexpr Fp8Format F = kCache == DType::kFloat8E4M3FN ? Fp8Format::kE4M3FN
-                            : kCache == DType::kFloat8E5M2  ? Fp8Format::kE5M2
-                                                            : Fp8Format::kE4M3FNUZ;
+    constexpr DType F = kCache;
     Src values[kVec];
     if constexpr (sizeof(Src) * kVec == 16) {
       *reinterpret_cast<uint4*>(values) = __ldg(reinterpret_cast<const uint4*>(src));

@@ -9,10 +9,9 @@
 
 #include <algorithm>
 
-#include "elements.h"
-#include "kernels.h"
+#include "device.h"
+#include "../gpu/kernels.h"
 #include "launch.h"
-#include "wave.h"
 
 namespace fp8kv::hip {
 namespace {
@@ -41,7 +40,7 @@ __device__ uint32_t rows_abs_max(const typename Src::Storage* base, int64_t toke
   return amax;
 }
 
-template <typename Src>
+template <typename Src>  // an Element
 __global__ __launch_bounds__(kThreads) void kv_amax_kernel(AmaxParams p, int64_t tokens_per_workgroup,
                                                            bool vectorized) {
   __shared__ uint32_t wave_maxima[kWaves];
@@ -61,7 +60,7 @@ __global__ __launch_bounds__(kThreads) void kv_amax_kernel(AmaxParams p, int64_t
   if (threadIdx.x == 0) {
     for (int w = 1; w < kWaves; ++w) amax = max(amax, wave_maxima[w]);
     const HeadScalars& running = is_value ? p.v_amax : p.k_amax;
-    atomic_nan_max(running.data + (running.per_head ? head : 0), bits_float(amax));
+    atomic_nan_max(running.at(head), bits_float(amax));
   }
 }
 
@@ -73,7 +72,12 @@ bool vectorizable(const AmaxParams& p) {
 
 }  // namespace
 
-hipError_t kv_amax(const AmaxParams& p, hipStream_t stream) {
+}  // namespace fp8kv::hip
+
+namespace fp8kv::gpu {
+
+Status kv_amax(const AmaxParams& p, Stream stream) {
+  using namespace hip;
   if (p.num_tokens == 0) return hipSuccess;
   int compute_units = 0;
   const hipError_t status = current_compute_units(&compute_units);
@@ -85,11 +89,11 @@ hipError_t kv_amax(const AmaxParams& p, hipStream_t stream) {
       1, std::min(wanted_chunks, ceil_div<int64_t>(p.num_tokens, kMinTokensPerWorkgroup)));
   const int64_t tokens_per_workgroup = ceil_div<int64_t>(p.num_tokens, chunks);
   const dim3 grid(static_cast<unsigned int>(ceil_div<int64_t>(p.num_tokens, tokens_per_workgroup)), p.num_kv_heads, 2);
-  return with_float_type(p.src_dtype, [&](auto src) {
-    using Src = decltype(src);
+  return dispatch<kSourceDTypes>(p.src_dtype, hipErrorInvalidValue, [&](auto src) {
+    using Src = Element<decltype(src)::value>;
     hipLaunchKernelGGL(kv_amax_kernel<Src>, grid, dim3(kThreads), 0, stream, p, tokens_per_workgroup, vectorizable(p));
     return hipGetLastError();
   });
 }
 
-}  // namespace fp8kv::hip
+}  // namespace fp8kv::gpu

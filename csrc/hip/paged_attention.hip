@@ -6,9 +6,10 @@
 // split's keys in steps; each key row is spread over kLanesPerToken lanes holding 8 dimensions each.
 //
 // Numerics: logits, softmax and both products in fp32. k_scale (and the format's power-of-two unpack
-// scale, see fp8_unpack.h) is folded into the logit scale, v_scale into the output scale. The split's
-// keys go through LDS in chunks with an online softmax. Keys a row may not see (past its causal end,
-// before its window, a stale slot of its last page) are never loaded: a stale slot may hold NaN codes.
+// scale, see fp8x4_to_half2x2 in csrc/fp8.h) is folded into the logit scale, v_scale into the output
+// scale. The split's keys go through LDS in chunks with an online softmax. Keys a row may not see
+// (past its causal end, before its window, a stale slot of its last page) are never loaded: a stale
+// slot may hold NaN codes.
 //
 // Split-KV: the host fixes the number of splits from sizes only (plan_paged_attention); each row
 // divides its own visible keys among them, so short rows use fewer, and a merge kernel combines
@@ -21,10 +22,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "elements.h"
-#include "kernels.h"
+#include "device.h"
+#include "../gpu/kernels.h"
 #include "launch.h"
-#include "wave.h"
 
 namespace fp8kv::hip {
 namespace {
@@ -84,12 +84,11 @@ __device__ RowKeys row_keys(const PagedAttentionParams& p, int64_t row) {
     q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
     token = static_cast<int>(row - p.cu_seqlens_q[seq]);
   }
-  // Causal: the row's token sits at position seq_len - q_len + token and sees up to itself.
-  const int64_t end = static_cast<int64_t>(p.seq_lens[seq]) - q_len + token + 1;
-  const int64_t begin = p.sliding_window > 0 ? std::max<int64_t>(0, end - p.sliding_window) : 0;
+  const KeyRange<int64_t> visible = visible_keys<int64_t>(p.seq_lens[seq], q_len, token, p.sliding_window);
   // Never past the block table's row, whatever seq_lens says (checked only in debug mode).
   const int64_t capacity = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
-  return RowKeys{seq, static_cast<int>(begin), static_cast<int>(std::max(begin, std::min(end, capacity)))};
+  return RowKeys{seq, static_cast<int>(visible.begin),
+                 static_cast<int>(std::max(visible.begin, std::min(visible.end, capacity)))};
 }
 
 // Keys per split for a row with `count` visible keys; the row uses ceil(count / result) splits.
@@ -160,6 +159,7 @@ __device__ int reduce_heads(float (&partial)[kHeads], int lane, bool* leader) {
   return head;
 }
 
+// Q: the query's Element; Cache: the cache's CacheRow.
 template <typename Q, typename Cache, int kPaddedHeadSize, int kHeads>
 __global__ __launch_bounds__(kThreads) void paged_attention_kernel(PagedAttentionParams p, AttentionLaunch launch) {
   using T = Tiling<kPaddedHeadSize, kHeads>;
@@ -205,7 +205,7 @@ __global__ __launch_bounds__(kThreads) void paged_attention_kernel(PagedAttentio
 
   const LaneRows<Cache> key_rows(p.key_cache, kv_head, dim0);
   const LaneRows<Cache> value_rows(p.value_cache, kv_head, dim0);
-  const float logit_scale = p.softmax_scale * head_scalar(p.k_scale, kv_head) * Cache::kUnpackScale;
+  const float logit_scale = p.softmax_scale * *p.k_scale.at(kv_head) * Cache::kUnpackScale;
   float* logits = shared;  // [kHeads][kChunkTokens]
   float acc[kHeads][kDimsPerLane] = {};
 
@@ -306,7 +306,7 @@ __global__ __launch_bounds__(kThreads) void paged_attention_kernel(PagedAttentio
   if (!holds_total) return;
 
   if (launch.num_splits == 1) {
-    const float out_scale = head_scalar(p.v_scale, kv_head) * Cache::kUnpackScale;
+    const float out_scale = *p.v_scale.at(kv_head) * Cache::kUnpackScale;
 #pragma unroll
     for (int h = 0; h < kHeads; ++h) {
       if (h >= heads) continue;
@@ -352,7 +352,7 @@ __global__ __launch_bounds__(kMaxHeadSize) void merge_splits_kernel(PagedAttenti
     out += weight * launch.partial_out[(first + s) * p.head_size + d];
   }
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
-  const float scale = sum > 0.0f ? head_scalar(p.v_scale, kv_head) * unpack_scale / sum : 0.0f;
+  const float scale = sum > 0.0f ? *p.v_scale.at(kv_head) * unpack_scale / sum : 0.0f;
   auto* dst = static_cast<typename Q::Storage*>(p.out) + row * p.out_token_stride + head * p.out_head_stride;
   dst[d] = Q::from_float(out * scale);
 }
@@ -397,19 +397,25 @@ hipError_t launch_cache(const PagedAttentionParams& p, const AttentionLaunch& la
 
 }  // namespace
 
-const char* paged_attention_unsupported(const PagedAttentionParams& p) {
+}  // namespace fp8kv::hip
+
+namespace fp8kv::gpu {
+
+using namespace hip;  // the backend's pieces
+
+std::string paged_attention_unsupported(const PagedAttentionParams& p) {
   if (p.head_size % kDimsPerLane != 0 || p.head_size > kMaxHeadSize) {
-    return "head_size must be a multiple of 8 and at most 256";
+    return "head_size must be a multiple of 8 and at most 256, got " + std::to_string(p.head_size);
   }
   // HIP grid limits: blocks * threads below 2^32 along x, 65535 along y.
   if (p.num_query_tokens * kMaxHeadSize >= (int64_t{1} << 32)) return "num_query_tokens must be below 2^24";
   if (p.num_heads > kMaxGridY || static_cast<int64_t>(p.num_kv_heads) * head_tiles(p) > kMaxGridY) {
     return "too many heads for one grid (at most 65535 query heads)";
   }
-  return nullptr;
+  return "";
 }
 
-hipError_t plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* plan) {
+Status plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* plan) {
   int compute_units = 0;
   const hipError_t status = current_compute_units(&compute_units);
   if (status != hipSuccess) return status;
@@ -425,8 +431,7 @@ hipError_t plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* pl
   return hipSuccess;
 }
 
-hipError_t paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, void* workspace,
-                           hipStream_t stream) {
+Status paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, void* workspace, Stream stream) {
   if (p.num_query_tokens == 0) return hipSuccess;
   const int cache_bytes = dtype_bytes(p.cache_dtype);
   const int64_t partial_floats = p.num_query_tokens * p.num_heads * plan.num_splits * p.head_size;
@@ -440,18 +445,14 @@ hipError_t paged_attention(const PagedAttentionParams& p, const AttentionPlan& p
                      {p.value_cache.block_stride, p.value_cache.token_stride, p.value_cache.head_stride});
   launch.partial_out = static_cast<float*>(workspace);
   launch.partial_stats = reinterpret_cast<float2*>(launch.partial_out + partial_floats);
-  auto with_query = [&](auto query) {
-    using Q = decltype(query);
-    return with_fp8_format(
-        p.cache_dtype,
-        [&](auto format) { return launch_cache<Q, Fp8Cache<decltype(format)::value>>(p, launch, stream); },
-        [&] { return launch_cache<Q, PlainCache<Q>>(p, launch, stream); });
-  };
-  switch (p.query_dtype) {
-    case DType::kFloat16: return with_query(Float16{});
-    case DType::kBFloat16: return with_query(BFloat16{});
-    default: return hipErrorInvalidValue;
-  }
+  return dispatch<kQueryDTypes>(p.query_dtype, hipErrorInvalidValue, [&](auto query) {
+    constexpr DType kQuery = decltype(query)::value;
+    // An unquantized cache has the query's dtype.
+    if (!is_fp8(p.cache_dtype)) return launch_cache<Element<kQuery>, CacheRow<kQuery>>(p, launch, stream);
+    return dispatch<kFp8DTypes>(p.cache_dtype, hipErrorInvalidValue, [&](auto cache) {
+      return launch_cache<Element<kQuery>, CacheRow<decltype(cache)::value>>(p, launch, stream);
+    });
+  });
 }
 
-}  // namespace fp8kv::hip
+}  // namespace fp8kv::gpu

@@ -8,8 +8,8 @@
 
 #include <algorithm>
 
-#include "elements.h"
-#include "kernels.h"
+#include "device.h"
+#include "../gpu/kernels.h"
 #include "launch.h"
 
 namespace fp8kv::hip {
@@ -19,8 +19,8 @@ constexpr int kThreads = 256;
 constexpr int kVec = 4;
 constexpr int64_t kMaxGrid = 1 << 20;
 
-// Stores x / scale as FP8 codes of format F.
-template <Fp8Format F>
+// Stores x / scale as FP8 codes of dtype F.
+template <DType F>
 struct QuantizeTo {
   using Storage = uint8_t;
   template <typename Src, int N>
@@ -56,7 +56,7 @@ __device__ void write_token(const CacheWriteParams& p, int64_t token, int64_t bl
     const CacheView& cache = is_value ? p.value_cache : p.key_cache;
     auto* dst = static_cast<typename Dst::Storage*>(cache.data) + block * cache.block_stride +
                 offset * cache.token_stride + head * cache.head_stride + d;
-    const float scale = head_scalar(is_value ? p.v_scale : p.k_scale, head);
+    const float scale = *(is_value ? p.v_scale : p.k_scale).at(head);
     using In = Vec<typename Src::Storage, N>;
     using Out = Vec<typename Dst::Storage, N>;
     *reinterpret_cast<Out*>(dst) = Dst::template convert<Src, N>(*reinterpret_cast<const In*>(src), scale);
@@ -99,15 +99,19 @@ hipError_t launch(const CacheWriteParams& p, hipStream_t stream) {
 
 }  // namespace
 
-hipError_t reshape_and_cache(const CacheWriteParams& p, hipStream_t stream) {
+}  // namespace fp8kv::hip
+
+namespace fp8kv::gpu {
+
+Status reshape_and_cache(const CacheWriteParams& p, Stream stream) {
+  using namespace hip;
   if (p.num_slots == 0) return hipSuccess;
-  return with_float_type(p.src_dtype, [&](auto src) {
-    using Src = decltype(src);
-    return with_fp8_format(
-        p.cache_dtype,
-        [&](auto format) { return launch<Src, QuantizeTo<decltype(format)::value>>(p, stream); },
-        [&] { return launch<Src, CopyAs<Src>>(p, stream); });
+  return dispatch<kSourceDTypes>(p.src_dtype, hipErrorInvalidValue, [&](auto src) {
+    using Src = Element<decltype(src)::value>;
+    if (!is_fp8(p.cache_dtype)) return launch<Src, CopyAs<Src>>(p, stream);
+    return dispatch<kFp8DTypes>(p.cache_dtype, hipErrorInvalidValue,
+                                [&](auto cache) { return launch<Src, QuantizeTo<decltype(cache)::value>>(p, stream); });
   });
 }
 
-}  // namespace fp8kv::hip
+}  // namespace fp8kv::gpu

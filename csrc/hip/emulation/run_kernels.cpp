@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "../../fp8.h"
-#include "../../half_float.h"
-#include "../kernels.h"
+#include "../../elements.h"
+#include "../../gpu/kernels.h"
 
 namespace fp8kv {
 namespace {
@@ -51,9 +51,9 @@ float load(DType t, const uint8_t* base, int64_t i) {
     case DType::kFloat16: { uint16_t h; std::memcpy(&h, base + 2 * i, 2); return half_to_float(h); }
     case DType::kBFloat16: { uint16_t b; std::memcpy(&b, base + 2 * i, 2); return bf16_to_float(b); }
     case DType::kFloat32: { float f; std::memcpy(&f, base + 4 * i, 4); return f; }
-    case DType::kFloat8E4M3FN: return fp8_decode<Fp8Format::kE4M3FN>(base[i]);
-    case DType::kFloat8E5M2: return fp8_decode<Fp8Format::kE5M2>(base[i]);
-    case DType::kFloat8E4M3FNUZ: return fp8_decode<Fp8Format::kE4M3FNUZ>(base[i]);
+    case DType::kFloat8E4M3FN: return fp8_decode<DType::kFloat8E4M3FN>(base[i]);
+    case DType::kFloat8E5M2: return fp8_decode<DType::kFloat8E5M2>(base[i]);
+    case DType::kFloat8E4M3FNUZ: return fp8_decode<DType::kFloat8E4M3FNUZ>(base[i]);
   }
   return 0.0f;
 }
@@ -64,9 +64,9 @@ void store(DType t, uint8_t* base, int64_t i, float x) {
     case DType::kFloat16: { const uint16_t h = float_to_half(x); std::memcpy(base + 2 * i, &h, 2); return; }
     case DType::kBFloat16: { const uint16_t b = float_to_bf16(x); std::memcpy(base + 2 * i, &b, 2); return; }
     case DType::kFloat32: std::memcpy(base + 4 * i, &x, 4); return;
-    case DType::kFloat8E4M3FN: base[i] = fp8_encode<Fp8Format::kE4M3FN>(x); return;
-    case DType::kFloat8E5M2: base[i] = fp8_encode<Fp8Format::kE5M2>(x); return;
-    case DType::kFloat8E4M3FNUZ: base[i] = fp8_encode<Fp8Format::kE4M3FNUZ>(x); return;
+    case DType::kFloat8E4M3FN: base[i] = fp8_encode<DType::kFloat8E4M3FN>(x); return;
+    case DType::kFloat8E5M2: base[i] = fp8_encode<DType::kFloat8E5M2>(x); return;
+    case DType::kFloat8E4M3FNUZ: base[i] = fp8_encode<DType::kFloat8E4M3FNUZ>(x); return;
   }
 }
 
@@ -112,6 +112,16 @@ void fill_nan(Cache& c) {
   for (int64_t i = 0; i < static_cast<int64_t>(c.buffer.size()) / dtype_bytes(c.dtype); ++i) {
     store(c.dtype, c.buffer.data(), i, std::nanf(""));
   }
+}
+
+// The key / value operands of CacheWriteParams or AmaxParams: two buffers with the same strides.
+void describe_key_value(KeyValueInput& p, const std::vector<uint8_t>& key, const std::vector<uint8_t>& value, DType t,
+                        int64_t token_stride, int64_t head_stride) {
+  p.key = key.data();
+  p.value = value.data();
+  p.src_dtype = t;
+  p.key_token_stride = p.value_token_stride = token_stride;
+  p.key_head_stride = p.value_head_stride = head_stride;
 }
 
 std::mt19937_64 rng(20260521);
@@ -189,11 +199,7 @@ void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size,
   }
 
   CacheWriteParams p{};
-  p.key = key.data();
-  p.value = value.data();
-  p.src_dtype = src_t;
-  p.key_token_stride = p.value_token_stride = token_stride;
-  p.key_head_stride = p.value_head_stride = head_size;
+  describe_key_value(p, key, value, src_t, token_stride, head_size);
   p.key_cache = key_cache.view();
   p.value_cache = value_cache.view();
   p.cache_dtype = cache_t;
@@ -204,7 +210,7 @@ void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size,
   p.num_kv_heads = heads;
   p.head_size = head_size;
   p.block_size = block_size;
-  const hipError_t status = hip::reshape_and_cache(p, nullptr);
+  const hipError_t status = gpu::reshape_and_cache(p, nullptr);
   int64_t mismatches = 0;
   for (size_t i = 0; i < expected_k.size(); ++i) {
     mismatches += expected_k[i] != key_cache.buffer[i];
@@ -254,17 +260,13 @@ void check_amax(DType src_t, int tokens, int head_size, bool per_head, bool with
   const std::vector<float> want_k = expected(key, k_amax), want_v = expected(value, v_amax);
 
   AmaxParams p{};
-  p.key = key.data();
-  p.value = value.data();
-  p.src_dtype = src_t;
-  p.key_token_stride = p.value_token_stride = token_stride;
-  p.key_head_stride = p.value_head_stride = head_stride;
+  describe_key_value(p, key, value, src_t, token_stride, head_stride);
   p.num_tokens = tokens;
   p.num_kv_heads = heads;
   p.head_size = head_size;
   p.k_amax = HeadScalars{k_amax.data(), per_head};
   p.v_amax = HeadScalars{v_amax.data(), per_head};
-  const hipError_t status = hip::kv_amax(p, nullptr);
+  const hipError_t status = gpu::kv_amax(p, nullptr);
   bool ok = status == hipSuccess;
   std::string detail;
   for (size_t h = 0; h < k_amax.size(); ++h) {
@@ -404,15 +406,15 @@ void check_attention(const AttentionCase& c) {
   p.logits_soft_cap = c.soft_cap;
 
   const std::string name = describe(c);
-  if (const char* why = hip::paged_attention_unsupported(p)) {
+  if (const std::string why = gpu::paged_attention_unsupported(p); !why.empty()) {
     report(false, name, why);
     return;
   }
   hip_emulation::compute_units = c.compute_units;
-  hip::AttentionPlan plan{};
-  hipError_t status = hip::plan_paged_attention(p, &plan);
+  gpu::AttentionPlan plan{};
+  hipError_t status = gpu::plan_paged_attention(p, &plan);
   std::vector<float> workspace(static_cast<size_t>(plan.workspace_bytes / 4));
-  if (status == hipSuccess) status = hip::paged_attention(p, plan, workspace.data(), nullptr);
+  if (status == hipSuccess) status = gpu::paged_attention(p, plan, workspace.data(), nullptr);
 
   // float64 reference and tolerance. Error sources: fp32 dot products, exponentials and sums (relative
   // ~1e-6 at these lengths), then one rounding of the output to the query dtype: half an ulp, 2^-11

@@ -1,0 +1,74 @@
+// GPU registrations, for whichever GPU backend the library is built with (kernels.h): CUDA, or HIP
+// (ROCm builds of PyTorch call their GPUs "cuda" devices, so both register under the CUDA dispatch key).
+//
+// Validate (op_params.h), refuse what the backend's kernels do not support, check index tensors in
+// debug-check mode only (that copies them to the host and synchronizes), then launch on the current
+// stream of the operands' device, with the workspace from PyTorch's caching allocator (stream-ordered,
+// capturable in graphs). Only c10's device-generic API is used, so this file compiles against the
+// headers of any torch build.
+#include <ATen/ops/empty.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/library.h>
+
+#include "../op_params.h"
+#include "kernels.h"
+
+namespace fp8kv {
+namespace {
+
+gpu::Stream current_stream(const at::Device& device) {
+  return static_cast<gpu::Stream>(
+      c10::impl::getDeviceGuardImpl(device.type())->getStream(device).native_handle());
+}
+
+void check_launch(const char* op, gpu::Status status) {
+  TORCH_CHECK(status == gpu::kSuccess, op, ": ", gpu::kBackend, " kernel launch failed: ", gpu::status_string(status));
+}
+
+void reshape_and_cache_gpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                           const at::Tensor& v_scale) {
+  const CacheWriteParams p = cache_write_params(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+  if (debug_checks_enabled()) check_slot_mapping_indices(slot_mapping, key_cache.size(0) * key_cache.size(1));
+  const c10::DeviceGuard guard(key.device());
+  check_launch("fp8kv.reshape_and_cache", gpu::reshape_and_cache(p, current_stream(key.device())));
+}
+
+void paged_attention_gpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
+                         const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
+                         double logits_soft_cap) {
+  constexpr const char* op = "fp8kv.paged_attention";
+  const PagedAttentionParams p = paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                        cu_seqlens_q, softmax_scale, k_scale, v_scale, sliding_window,
+                                                        logits_soft_cap);
+  const std::string unsupported = gpu::paged_attention_unsupported(p);
+  TORCH_CHECK(unsupported.empty(), op, ": on ", gpu::kBackend, ", ", unsupported);
+  if (debug_checks_enabled()) {
+    check_paged_attention_indices(block_tables, seq_lens, cu_seqlens_q, query.size(0), key_cache.size(1),
+                                  key_cache.size(0), sliding_window);
+  }
+  const c10::DeviceGuard guard(query.device());
+  gpu::AttentionPlan plan{};
+  check_launch(op, gpu::plan_paged_attention(p, &plan));
+  const at::Tensor workspace = at::empty({plan.workspace_bytes}, query.options().dtype(at::kByte));
+  check_launch(op, gpu::paged_attention(p, plan, workspace.data_ptr(), current_stream(query.device())));
+}
+
+void kv_amax_gpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_amax, at::Tensor& v_amax) {
+  const AmaxParams p = amax_params(key, value, k_amax, v_amax);
+  const c10::DeviceGuard guard(key.device());
+  check_launch("fp8kv.kv_amax", gpu::kv_amax(p, current_stream(key.device())));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fp8kv, CUDA, m) {
+  m.impl("reshape_and_cache", &reshape_and_cache_gpu);
+  m.impl("paged_attention", &paged_attention_gpu);
+  m.impl("kv_amax", &kv_amax_gpu);
+}
+
+}  // namespace fp8kv

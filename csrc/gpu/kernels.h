@@ -1,0 +1,58 @@
+// The GPU kernels' launchers: one contract, defined by whichever GPU backend the library is built
+// with (csrc/cuda, or csrc/hip for ROCm), called by csrc/gpu/bindings.cpp. Framework-free: the
+// launchers take validated operand descriptions (kernel_params.h, built by op_params.h) and a stream,
+// enqueue their kernels, never synchronize with the host and never allocate; they return the
+// launch status.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "../kernel_params.h"
+
+// The runtime API of the backend: hipFoo or cudaFoo.
+#if defined(FP8KV_WITH_HIP) || defined(__HIPCC__)
+#include <hip/hip_runtime_api.h>
+#define FP8KV_GPU_API(name) hip##name
+#define FP8KV_GPU_BACKEND "HIP"
+#else
+#include <cuda_runtime_api.h>
+#define FP8KV_GPU_API(name) cuda##name
+#define FP8KV_GPU_BACKEND "CUDA"
+#endif
+
+namespace fp8kv::gpu {
+
+using Status = FP8KV_GPU_API(Error_t);
+using Stream = FP8KV_GPU_API(Stream_t);
+inline constexpr Status kSuccess = FP8KV_GPU_API(Success);
+inline constexpr const char* kBackend = FP8KV_GPU_BACKEND;
+inline const char* status_string(Status status) { return FP8KV_GPU_API(GetErrorString)(status); }
+
+Status reshape_and_cache(const CacheWriteParams& p, Stream stream);
+
+Status kv_amax(const AmaxParams& p, Stream stream);
+
+// Why p has no attention kernel on this backend (its head size, block size, alignment, grid limits),
+// or "" when it has one.
+std::string paged_attention_unsupported(const PagedAttentionParams& p);
+
+// How paged attention splits its work; chosen on the host from sizes only (no device data), so a
+// captured graph replays it unchanged.
+struct AttentionPlan {
+  int num_splits;           // context splits (flash-decoding); 1 writes `out` directly
+  int64_t workspace_bytes;  // the splits' partial results; 0 when num_splits == 1
+  // The CUDA kernels' grid (the HIP kernels find their rows and split ranges on the device):
+  int64_t row_chunks;  // grid.x: decode: sequences x query-head chunks; multi-token: query tiles (a bound)
+  int split_tokens;    // context positions per split, a multiple of the kernel's tile group
+  bool deep_staging;   // multi-token kernel: prefill::kDeepStages (see csrc/cuda/tiles.h)
+};
+
+// Plans p for the current device (its multiprocessor count and the kernels' occupancy set how many
+// splits fill it).
+Status plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* plan);
+
+// `workspace`: plan.workspace_bytes of device memory on the current device (unused when 0).
+Status paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, void* workspace, Stream stream);
+
+}  // namespace fp8kv::gpu
