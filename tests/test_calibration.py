@@ -1,7 +1,9 @@
 """Calibration: K/V maxima of transformers models against the K/V their attention actually receives,
 scales against the float64 formula, export into checkpoints and back through the loader, data
-files, and the CLI. Tensor-parallel reduction: test_calibration_tp.py."""
+files, calibrate_checkpoint (all of it at once), and the CLI. Tensor-parallel reduction:
+test_calibration_tp.py."""
 
+import contextlib
 import json
 import math
 import struct
@@ -21,8 +23,8 @@ from transformers.masking_utils import sdpa_mask  # noqa: E402
 from checkpoints import (assert_reported, compressed_tensors_config, llama_config, raw_safetensors,  # noqa: E402
                          run_in_child, scale_tensors, write_checkpoint)
 from fp8kv import cli, ops  # noqa: E402
-from fp8kv.calibration import (CalibrationError, KVAmax, KVCalibrator, calibrate, export_checkpoint,  # noqa: E402
-                               export_legacy_json, make_batches, observe_model, text_sequences,
+from fp8kv.calibration import (CalibrationError, KVAmax, KVCalibrator, calibrate, calibrate_checkpoint,  # noqa: E402
+                               export_checkpoint, export_legacy_json, make_batches, observe_model, text_sequences,
                                token_id_sequences)
 from fp8kv.checkpoint import CheckpointError, load_kv_cache_config  # noqa: E402
 from fp8kv.formats import KVCacheConfig, KVCacheDtype  # noqa: E402
@@ -561,6 +563,151 @@ def test_text_is_tokenized_and_cut_with_bos_first(tmp_path):
         [2, 3, 4, 5], [6, 7, 8]]
 
 
+# ----------------------------------------------------------------------------- calibrate_checkpoint
+
+
+def recording(steps: list):
+    """An around_step for calibrate_checkpoint that appends (step, None) or (step, its error's type) to `steps`."""
+    @contextlib.contextmanager
+    def around_step(name):
+        try:
+            yield
+        except Exception as e:
+            steps.append((name, type(e)))
+            raise
+        steps.append((name, None))
+
+    return around_step
+
+
+def summary_table(summary: str) -> list[list[float]]:
+    """The per-layer rows [K amax, K scale, V amax, V scale] of CheckpointCalibration.summary()."""
+    lines = summary.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("layer  ")))
+    rows = [line.split() for line in lines[header + 1:lines.index("", header)]]
+    assert [int(row[0]) for row in rows] == list(range(len(rows)))
+    return [[float(x) for x in row[1:]] for row in rows]
+
+
+@pytest.mark.parametrize("layout, granularity, fmt, in_place, with_json", [
+    ("single", "tensor", KVCacheDtype.E4M3FN, False, True),
+    ("sharded", "head", KVCacheDtype.E4M3FNUZ, True, False),
+])
+def test_calibrate_checkpoint_measures_exports_and_summarizes(tmp_path, layout, granularity, fmt, in_place, with_json):
+    model = tiny_model(2)
+    model_dir = tmp_path / "model"
+    model.save_pretrained(model_dir, max_shard_size="100KB" if layout == "sharded" else "1GB")
+    out = model_dir if in_place else tmp_path / "out"
+    legacy = tmp_path / "legacy.json" if with_json else None
+    batches = token_batches(BATCHES)
+    steps = []
+    result = calibrate_checkpoint(model_dir, batches, out, fmt=fmt.value, granularity=granularity, margin=1.25,
+                                  legacy_json=legacy, progress=False, around_step=recording(steps))
+    assert steps == [(step, None) for step in ("load", "observe", "scales", "export", "legacy_json")[:4 + with_json]]
+
+    # The maxima of the K/V the model's attention receives, and the float64 formula rounded to float32.
+    k, v = attention_inputs_amax(model, batches, granularity)
+    assert (result.amax.k, result.amax.v) == (tuple(k), tuple(v))
+    assert result.amax.num_tokens == sum(b.numel() for b in batches)
+    max_finite = {KVCacheDtype.E4M3FN: 448.0, KVCacheDtype.E4M3FNUZ: 240.0}[fmt]
+    kv_cache = result.kv_cache
+    assert kv_cache.dtype is fmt and result.margin == 1.25
+    assert kv_cache.k_scales == tuple(tuple(f32(a * 1.25 / max_finite) for a in layer) for layer in k)
+    assert kv_cache.v_scales == tuple(tuple(f32(a * 1.25 / max_finite) for a in layer) for layer in v)
+
+    # The files: the scales load back as calibrated, from the file the result names.
+    scales_name = "kv_cache_scales.safetensors" if layout == "sharded" else "model.safetensors"
+    assert (result.out_dir, result.scales_file, result.legacy_json) == (out, out / scales_name, legacy)
+    with safe_open(str(result.scales_file), framework="pt") as f:
+        assert f.get_tensor("model.layers.1.self_attn.v_scale").flatten().tolist() == list(kv_cache.v_scales[1])
+    loaded = load(out, fmt)
+    assert (loaded.k_scales, loaded.v_scales) == (kv_cache.k_scales, kv_cache.v_scales)
+    if with_json:
+        from_json = load(model_dir, fmt, scales_json=legacy)  # model_dir itself holds no scales
+        assert from_json.k_scales == tuple((max(a[0], b[0]),) for a, b in zip(kv_cache.k_scales, kv_cache.v_scales))
+
+    # The summary: the run, each layer's largest maxima and scales to 4 significant digits, the files.
+    assert (result.device, result.model_dtype) == (torch.device("cpu"), torch.float32)
+    lines = result.summary().splitlines()
+    assert lines[0] == (f"calibrated 2 layers on {result.amax.num_tokens} tokens (cpu, torch.float32), "
+                        f"per {granularity}, for {fmt.value}, margin 1.25")
+    assert lines[-1] == (f"wrote {out} (scales in {scales_name}, declared in config.json)"
+                         + (f" and {legacy}" if with_json else ""))
+    expected = [[max(k[layer]), max(kv_cache.k_scales[layer]), max(v[layer]), max(kv_cache.v_scales[layer])]
+                for layer in range(2)]
+    # 4 significant digits: within half a unit of the 4th digit, 5e-4 relative.
+    assert summary_table(result.summary()) == [pytest.approx(row, rel=5e-4) for row in expected]
+
+
+def zero_k_model_dir(directory):
+    """A tiny model saved in `directory` whose layer 0 K projection is zero: all-zero K in layer 0."""
+    model = tiny_model(2)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.k_proj.weight.zero_()
+    model.save_pretrained(directory)
+    return directory
+
+
+def test_calibrate_checkpoint_step_errors_pass_through_around_step_and_write_nothing(tmp_path):
+    model_dir = zero_k_model_dir(tmp_path / "model")
+    before = {p.name: p.read_bytes() for p in model_dir.iterdir()}
+    steps = []
+    with pytest.raises(CalibrationError, match="layer 0 K: amax is 0"):
+        calibrate_checkpoint(model_dir, token_batches(BATCHES), tmp_path / "out", progress=False,
+                             around_step=recording(steps))
+    assert steps == [("load", None), ("observe", None), ("scales", CalibrationError)]
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "something").write_text("x")
+    steps.clear()
+    with pytest.raises(FileExistsError, match="is not empty"), pytest.warns(UserWarning, match="layer 0 K"):
+        calibrate_checkpoint(model_dir, token_batches(BATCHES), tmp_path / "full", zero_amax="unit",
+                             legacy_json=tmp_path / "legacy.json", progress=False, around_step=recording(steps))
+    assert steps == [("load", None), ("observe", None), ("scales", None), ("export", FileExistsError)]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "legacy.json").exists()
+    assert [p.name for p in (tmp_path / "full").iterdir()] == ["something"]
+    assert {p.name: p.read_bytes() for p in model_dir.iterdir()} == before
+
+
+def test_calibrate_checkpoint_unit_scale_for_all_zero_k(tmp_path):
+    model_dir = zero_k_model_dir(tmp_path / "model")
+    with pytest.warns(UserWarning, match="all-zero calibration maxima get scale 1.0: layer 0 K"):
+        result = calibrate_checkpoint(model_dir, token_batches(BATCHES), tmp_path / "out", zero_amax="unit",
+                                      progress=False)
+    assert result.amax.k[0] == (0.0,) and result.amax.k[1][0] > 0
+    assert result.kv_cache.k_scales[0] == (1.0,)
+    assert result.kv_cache.k_scales[1] == (f32(result.amax.k[1][0] / 448),)
+    assert load(tmp_path / "out", "float8_e4m3fn").k_scales == result.kv_cache.k_scales
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(fmt="float8_e5m2"), "e4m3 format"),
+    (dict(fmt="fp9"), "fp9"),
+    (dict(margin=0.5), "margin must be a finite number >= 1"),
+    (dict(zero_amax="floor"), "zero_amax must be one of"),
+    (dict(granularity="channel"), "granularity must be one of"),
+    (dict(dtype=torch.int8), "dtype must be 'auto' or a floating-point torch.dtype"),
+    (dict(dtype="half"), "dtype must be"),
+    (dict(device="tpu"), "device must be a torch.device or its name"),
+    (dict(legacy_json="legacy.json", granularity="head"), "legacy_json: the legacy JSON holds per-tensor scales"),
+    (dict(legacy_json="out/kv_cache_scales.json"), "legacy_json: not kv_cache_scales.json inside out_dir"),
+], ids=lambda value: None if isinstance(value, str) else " ".join(f"{k}={v}" for k, v in value.items()))
+def test_calibrate_checkpoint_checks_arguments_before_loading(tmp_path, kwargs, match):
+    """A bad argument is refused before anything runs: no step starts, on a checkpoint without
+    weights (with good arguments the load step is what fails there)."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(llama_config()))
+    if "legacy_json" in kwargs:
+        kwargs["legacy_json"] = tmp_path / kwargs["legacy_json"]
+    steps = []
+    with pytest.raises(ValueError, match=match):
+        calibrate_checkpoint(model_dir, [], tmp_path / "out", around_step=recording(steps), **kwargs)
+    assert steps == []
+    with pytest.raises(OSError, match="no file named model.safetensors"):
+        calibrate_checkpoint(model_dir, [], tmp_path / "out", around_step=recording(steps))
+    assert steps == [("load", OSError)]
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -601,6 +748,23 @@ def test_cli_token_ids_fnuz_and_legacy_json(tmp_path, capsys):
     assert from_json.k_scales == tuple((max(a[0], b[0]),) for a, b in zip(fnuz.k_scales, fnuz.v_scales))
 
 
+def test_cli_blames_all_zero_maxima_on_the_data(tmp_path, capsys):
+    model_dir = zero_k_model_dir(tmp_path / "model")
+    (tmp_path / "ids.txt").write_text("1 5 9 13\n")
+    args = ["calibrate", "--model", str(model_dir), "--data", str(tmp_path / "ids.txt"), "--token-ids",
+            "--out", str(tmp_path / "out"), "--no-progress", "--device", "cpu"]
+    with pytest.raises(SystemExit) as info:
+        cli.main(args)
+    err = capsys.readouterr().err  # after transformers' progress bars
+    assert info.value.code == 1 and not (tmp_path / "out").exists()
+    error = err[err.index("fp8kv calibrate: error: "):]
+    assert error.startswith("fp8kv calibrate: error: argument --data: calibration failed (1 problem(s)):\n"), err
+    assert "layer 0 K: amax is 0" in error
+    with pytest.warns(UserWarning, match="layer 0 K"):
+        assert cli.main(args + ["--zero-amax", "unit"]) == 0
+    assert load(tmp_path / "out", "float8_e4m3fn").k_scales[0] == (1.0,)
+
+
 def test_cli_errors(tmp_path):
     model = tiny_model(2)
     model.save_pretrained(tmp_path / "model")
@@ -616,23 +780,3 @@ def test_cli_errors(tmp_path):
         cli.main(common + ["--data", str(tmp_path / "data.txt"), "--legacy-json",
                            str(tmp_path / "out" / "kv_cache_scales.json")])
     assert not (tmp_path / "out").exists()
-
-
-# ----------------------------------------------------------------------------- accuracy report
-
-
-def test_accuracy_report_runs_and_calibrated_beats_unit_scales(monkeypatch):
-    """benchmarks/accuracy_report.py on a short run: small V puts scale 1.0 in e4m3's subnormals,
-    calibrated scales keep it at the format's own error (about 3.7e-2 in the full report; 5.4x less)."""
-    import argparse
-    import importlib
-    import pathlib
-
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).parents[1] / "benchmarks"))
-    report = importlib.import_module("accuracy_report")
-    args = argparse.Namespace(seq_len=32, batch=2, calibration_batches=2, seed=0, seeds=1)
-    rows = report.report("llama-like, V/3", args)["rows"]
-    attention = {name: row["attention_rel_rms_mean"] for name, row in rows.items()}
-    assert attention["bf16 (unquantized)"] < 1e-2  # bf16 rounding of the output only
-    for calibrated in ("e4m3, calibrated per tensor", "e4m3, calibrated per head"):
-        assert attention[calibrated] < 0.06 < attention["e4m3, scale 1"] / 2

@@ -1,7 +1,8 @@
 """The command line: every user error is one line on stderr naming the argument, exit status 2 for
 a bad argument and 1 for a failed operation, no traceback and nothing written; the program name is
-the one the user typed; calibrate reports the file it wrote; the demo's scales are the calibrated
-maxima of its prompt."""
+the one the user typed; calibrate reports the file it wrote; inspect prints the checkpoint's
+report (CheckpointScales.report, tested here); the demo's scales are the calibrated maxima of its
+prompt."""
 
 import os
 import struct
@@ -12,8 +13,8 @@ import sysconfig
 import pytest
 import torch
 
-from checkpoints import compressed_tensors_config, llama_config, scale_tensors, write_checkpoint
-from fp8kv.checkpoint import CheckpointError, Problem
+from checkpoints import compressed_tensors_config, legacy_json, llama_config, scale_tensors, write_checkpoint
+from fp8kv.checkpoint import CheckpointError, Problem, read_checkpoint_scales
 from fp8kv.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -266,6 +267,81 @@ def test_inspect_reports_a_loader_error_in_one_line(monkeypatch, tmp_path, capsy
     assert status == 1 and out == ""
     assert err.startswith("fp8kv inspect: error: argument checkpoint: invalid KV cache scales")
     assert "config.json: cannot read: Input/output error" in err
+
+
+def assert_inspect_prints(directory, report: list[str], status: int, capsys) -> None:
+    """`inspect directory` prints `report` and nothing else, and exits with `status`."""
+    assert run(["inspect", str(directory)], capsys) == (status, "\n".join(report) + "\n", "")
+
+
+def test_report_of_per_head_scales(tmp_path, capsys):
+    """Each value as float32 printed to 6 significant digits (0.1 and 1/3 are not float32 numbers)."""
+    k = [[0.5, 0.25, 0.125, 0.0625], [0.1, 1 / 3, 3.0, 1e-5]]
+    v = [[0.75, 0.5, 0.25, 1.0], [0.5, 0.5, 0.25, 6.0]]
+    write_checkpoint(tmp_path, config=llama_config(quantization_config=compressed_tensors_config("attn_head")),
+                     tensors=scale_tensors(k, v, shape="heads11"))
+    report = read_checkpoint_scales(tmp_path).report()
+    assert report == [
+        f"checkpoint:      {tmp_path}",
+        "model:           llama, 2 layers, 4 KV heads",
+        "declared:        compressed-tensors kv_cache_scheme (strategy attn_head)",
+        "scales:          k_scale, v_scale",
+        "calibrated for:  float8_e4m3fn",
+        "granularity:     per KV head",
+        "",
+        "layer  kind  scales",
+        "    0  K     0.5 0.25 0.125 0.0625    (model.layers.0.self_attn.k_scale)",
+        "    0  V     0.75 0.5 0.25 1    (model.layers.0.self_attn.v_scale)",
+        "    1  K     0.1 0.333333 3 1e-05    (model.layers.1.self_attn.k_scale)",
+        "    1  V     0.5 0.5 0.25 6    (model.layers.1.self_attn.v_scale)",
+        "",
+        "no problems found",
+    ]
+    assert_inspect_prints(tmp_path, report, 0, capsys)
+
+
+def test_report_of_legacy_json(tmp_path, capsys):
+    write_checkpoint(tmp_path, legacy_json=legacy_json({0: {0: 0.25, 1: 0.5}, 1: {0: 0.1, 1: 3.0}},
+                                                       dtype="float8_e4m3fnuz"))
+    report = read_checkpoint_scales(tmp_path).report()
+    assert report == [
+        f"checkpoint:      {tmp_path}",
+        "model:           llama, 2 layers, 4 KV heads",
+        "declared:        nothing (no kv_cache_scheme / kv_cache_quant_algo)",
+        "scales:          legacy kv_cache_scales.json",
+        "calibrated for:  float8_e4m3fnuz",
+        f"legacy JSON:     {tmp_path / 'kv_cache_scales.json'} (per tensor, one scale for K and V)",
+        "  rank 0: 0.25 0.5",
+        "  rank 1: 0.1 3",
+        "",
+        "no problems found",
+    ]
+    assert_inspect_prints(tmp_path, report, 0, capsys)
+
+
+def test_report_lists_every_problem_and_inspect_fails(tmp_path, capsys):
+    tensors = scale_tensors([0.5, 0.5], [0.5, 0.5])
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(-1.0)
+    tensors["model.layers.1.self_attn.v_scale"] = torch.ones(3)
+    write_checkpoint(tmp_path, tensors=tensors)
+    found = read_checkpoint_scales(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    assert [str(p) for p in found.problems] == [
+        f"{weights}: model.layers.0.self_attn.k_scale: value -1.0 must be finite and > 0 (as float32)",
+        f"{weights}: model.layers.1.self_attn.v_scale: shape [3] is none of [], [1], [num_kv_heads] = [4], [4, 1, 1]",
+    ]
+    report = found.report()
+    assert report == [
+        f"checkpoint:      {tmp_path}",
+        "model:           llama, 2 layers, 4 KV heads",
+        "declared:        nothing (no kv_cache_scheme / kv_cache_quant_algo)",
+        "scales:          k_scale, v_scale",
+        "calibrated for:  float8_e4m3fn",
+        "",
+        "2 problem(s):",
+        *(f"  - {p}" for p in found.problems),
+    ]
+    assert_inspect_prints(tmp_path, report, 1, capsys)
 
 
 # ----------------------------------------------------------------------------- evaluate
