@@ -251,6 +251,13 @@ def checkpoint(tmp_path):
     return tmp_path / "model", text
 
 
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fails the test if the model's weights are loaded: bad arguments must be refused before."""
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded before the arguments were checked"))
+
+
 def run_cli(argv):
     parser = argparse.ArgumentParser()
     ev.add_arguments(parser)
@@ -295,10 +302,8 @@ def test_command_plots_layer_errors(checkpoint, tmp_path):
     (["--device", "nonsense"], "--device: not a device"),
     (["--dtype", "float32"], None),  # argparse refuses it (choices): a usage error, exit status 2
 ])
-def test_bad_arguments_are_refused_before_loading_the_model(checkpoint, monkeypatch, extra, message):
+def test_bad_arguments_are_refused_before_loading_the_model(checkpoint, no_model_loading, extra, message):
     model_dir, text = checkpoint
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
-                        lambda *a, **k: pytest.fail("the model was loaded before the arguments were checked"))
     argv = ["--model", str(model_dir), "--data", str(text), "--seq-len", "16", "--device", "cpu", *extra]
     if message is None:
         with pytest.raises(SystemExit) as exit_info:
@@ -309,10 +314,8 @@ def test_bad_arguments_are_refused_before_loading_the_model(checkpoint, monkeypa
         run_cli(argv)
 
 
-def test_bad_paths_are_refused_with_the_option_named(checkpoint, tmp_path, monkeypatch):
+def test_bad_paths_are_refused_with_the_option_named(checkpoint, tmp_path, no_model_loading):
     model_dir, text = checkpoint
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
-                        lambda *a, **k: pytest.fail("the model was loaded before the arguments were checked"))
     base = ["--model", str(model_dir), "--data", str(text)]
     cases = [
         (["--model", str(tmp_path), "--data", str(text)], "--model: .* is not a checkpoint directory"),

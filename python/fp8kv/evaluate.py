@@ -249,8 +249,9 @@ def evaluate_model(model, windows: torch.Tensor, kv_caches: dict[str, KVCacheCon
     first = next(iter(logit_scores.values()))
     caches = tuple(CacheResult(name, LABELS.get(name, name), scores.perplexity, scores.mean_kl, scores.top1,
                                layer_errors[name].relative()) for name, scores in logit_scores.items())
+    setup = {"device": str(device), "dtype": str(model.dtype).removeprefix("torch."), **(setup or {})}
     return EvaluationResult(first.reference_perplexity, first.count, windows.shape[0], windows.shape[1], caches,
-                            dict(setup or {}))
+                            setup)
 
 
 # ----------------------------------------------------------------------------- caches and data
@@ -536,6 +537,8 @@ def run(args: argparse.Namespace) -> int:
     """`python -m fp8kv evaluate`: prints the table, writes --json / --png."""
     from .models import evaluation_text
 
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError("evaluate runs transformers models: pip install 'fp8kv[hf]'")
     json_path, png_path = _output_path("--json", args.json), _output_path("--png", args.png)
     if png_path is not None and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--png needs the Python package 'matplotlib': pip install matplotlib")
