@@ -378,3 +378,15 @@ def test_evaluation_text_concatenates_like_cat_and_names_missing_files(tmp_path)
         evaluation_text([first, tmp_path / "missing1", tmp_path / "missing2"])
     with pytest.raises(ValueError, match="no text files given"):
         evaluation_text([])
+
+
+def test_options_are_checked_before_the_packaged_model_is_converted(checkpoint, tmp_path, monkeypatch):
+    from fp8kv import models
+
+    _, text = checkpoint
+    monkeypatch.chdir(tmp_path)  # no directory named like the packaged model here
+    monkeypatch.setattr(models, "smollm2_checkpoint", lambda *a: pytest.fail("converted before the checks"))
+    for extra, message in ((["--seq-len", "1"], "--seq-len"), (["--kv-cache-dtype", "fp9"], "--kv-cache-dtype"),
+                           (["--scales", str(tmp_path)], "--scales"), (["--device", "meta"], "--device")):
+        with pytest.raises(ValueError, match=message):
+            run_cli(["--model", models.SMOLLM2_NAME, "--data", str(text), *extra])

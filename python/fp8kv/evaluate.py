@@ -379,8 +379,6 @@ def _device(device) -> torch.device:
 def _checkpoint_scales(model_dir: pathlib.Path, scales, num_layers: int, num_kv_heads: int) -> KVCacheConfig | None:
     """The e4m3 scales of --scales, else of the model's own checkpoint; None when neither has any."""
     source = pathlib.Path(scales) if scales is not None else model_dir
-    if scales is not None and not (source / "config.json").is_file():
-        raise ValueError(f"--scales: {source} is not a checkpoint directory (no config.json)")
     found = read_checkpoint_scales(source)
     if found.problems:
         raise CheckpointError(found.problems)
@@ -396,17 +394,32 @@ def _checkpoint_scales(model_dir: pathlib.Path, scales, num_layers: int, num_kv_
     return config
 
 
-def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None, device=None,
-            dtype: torch.dtype | str = torch.bfloat16) -> _Plan:
-    """Checks every argument and tokenizes the text, without loading the model's weights."""
-    from transformers import AutoConfig, AutoTokenizer
-
+def check_options(caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None, device=None,
+                  dtype: torch.dtype | str = torch.bfloat16):
+    """The checks that need no model: (cache names or None, torch.device, torch.dtype)."""
     _positive("--seq-len", seq_len, 2)
     _positive("--windows", windows)
     dtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
     if dtype not in DTYPES.values():
         raise ValueError(f"--dtype: the paged cache runs models in {' or '.join(DTYPES)}, got {dtype}")
-    device = _device(device)
+    if scales is not None and not (pathlib.Path(scales) / "config.json").is_file():
+        raise ValueError(f"--scales: {scales} is not a checkpoint directory (no config.json)")
+    if caches is not None:
+        caches = tuple(dict.fromkeys(name for name in caches if name != UNQUANTIZED))
+        unknown = [name for name in caches if name not in CACHES]
+        if unknown:
+            raise ValueError(f"--kv-cache-dtype: unknown cache(s) {', '.join(map(repr, unknown))}; valid: "
+                             f"{', '.join((UNQUANTIZED, *CACHES))}")
+    return caches, _device(device), dtype
+
+
+def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None, device=None,
+            dtype: torch.dtype | str = torch.bfloat16) -> _Plan:
+    """Checks every argument and tokenizes the text, without loading the model's weights."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    caches, device, dtype = check_options(caches, seq_len=seq_len, windows=windows, scales=scales, device=device,
+                                          dtype=dtype)
     model_dir = pathlib.Path(model_dir)
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"--model: {model_dir} is not a checkpoint directory (no config.json)")
@@ -414,12 +427,7 @@ def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: 
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     checkpoint_scales = _checkpoint_scales(model_dir, scales, config.num_hidden_layers, num_kv_heads)
     if caches is None:
-        caches = [name for name in CACHES if name != "e4m3-checkpoint" or checkpoint_scales is not None]
-    caches = tuple(dict.fromkeys(name for name in caches if name != UNQUANTIZED))
-    unknown = [name for name in caches if name not in CACHES]
-    if unknown:
-        raise ValueError(f"--kv-cache-dtype: unknown cache(s) {', '.join(map(repr, unknown))}; valid: "
-                         f"{', '.join((UNQUANTIZED, *CACHES))}")
+        caches = tuple(name for name in CACHES if name != "e4m3-checkpoint" or checkpoint_scales is not None)
     if "e4m3-checkpoint" in caches and checkpoint_scales is None:
         raise ValueError(f"--kv-cache-dtype e4m3-checkpoint: {model_dir} has no KV cache scales; pass --scales CKPT")
     max_positions = getattr(config, "max_position_embeddings", None)
@@ -546,7 +554,9 @@ def run(args: argparse.Namespace) -> int:
         text = evaluation_text(args.data)
     except (OSError, ValueError) as e:
         raise ValueError(f"--data: {e}") from None
-    model_dir = model_directory(args.model)
+    check_options(args.kv_cache_dtype, seq_len=args.seq_len, windows=args.windows, scales=args.scales,
+                  device=args.device, dtype=args.dtype)
+    model_dir = model_directory(args.model)  # for SMOLLM2_NAME the one-time conversion: after every cheap check
     result = evaluate(model_dir, text, args.kv_cache_dtype, seq_len=args.seq_len, windows=args.windows,
                       scales=args.scales, device=args.device, dtype=args.dtype, progress=not args.no_progress,
                       setup={"data": [os.fspath(p) for p in args.data]})
