@@ -182,6 +182,15 @@ def test_unquantized_paged_cache_reproduces_sdpa(dtype, unit_roundoff, seed):
     assert abs(auto.perplexity / result.reference_perplexity - 1) < 16 * unit_roundoff
 
 
+def test_evaluate_model_refuses_empty_input():
+    model, configs = tiny_llama(), {"auto": ev.KVCacheConfig.unit_scales("auto", 2)}
+    for bad in (torch.zeros(0, 8, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64), torch.zeros(8)):
+        with pytest.raises(ValueError, match="windows must be"):
+            ev.evaluate_model(model, bad, configs, progress=False)
+    with pytest.raises(ValueError, match="kv_caches is empty"):
+        ev.evaluate_model(model, windows(), {}, progress=False)
+
+
 def test_per_tensor_maxima_equal_per_tensor_calibration():
     model, tokens = tiny_llama(), windows()
     batches = [w[None] for w in tokens]

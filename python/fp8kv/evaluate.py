@@ -217,8 +217,10 @@ def evaluate_model(model, windows: torch.Tensor, kv_caches: dict[str, KVCacheCon
 
     from .integrations.transformers import PagedCache, enable
 
-    if windows.dim() != 2 or windows.shape[1] < 2:
-        raise ValueError(f"windows must be [count, seq_len >= 2] token ids, got shape {list(windows.shape)}")
+    if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
+        raise ValueError(f"windows must be [count >= 1, seq_len >= 2] token ids, got shape {list(windows.shape)}")
+    if not kv_caches:
+        raise ValueError("kv_caches is empty: nothing to evaluate")
     modules = attention_modules(model)
     device = next(model.parameters()).device
     logit_scores = {name: LogitScores() for name in kv_caches}
