@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Compile-only check of every CUDA source for the default architectures, so broken CUDA code fails
-# CI on machines without a GPU. Needs nvcc and an installed torch (for the bindings' headers).
+# CI on machines without a GPU, and a host run of the framework-free numerics' exhaustive check
+# (csrc/checks/check_numerics.cpp). Needs nvcc and an installed torch (for the bindings' headers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC="${NVCC:-nvcc}"
@@ -21,9 +22,9 @@ done
 mkdir -p "$out/shim/c10/cuda/impl"
 [ -f "$TORCH_DIR/include/c10/cuda/impl/cuda_cmake_macros.h" ] ||
   echo "#define C10_CUDA_BUILD_SHARED_LIBS" >"$out/shim/c10/cuda/impl/cuda_cmake_macros.h"
-for src in csrc/cuda/*.cpp; do
-  echo "g++ (CUDA bindings): $src"
-  g++ -std=c++20 -fsyntax-only -Wall -Werror -DFP8KV_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI="$ABI" "$src" \
-    -I"$TORCH_DIR/include" -I"$TORCH_DIR/include/torch/csrc/api/include" -I"$out/shim" -I"$CUDA_INCLUDE"
-done
+echo "g++ (GPU bindings for CUDA): csrc/gpu/bindings.cpp"
+g++ -std=c++20 -fsyntax-only -Wall -Werror -DFP8KV_WITH_CUDA -D_GLIBCXX_USE_CXX11_ABI="$ABI" csrc/gpu/bindings.cpp \
+  -I"$TORCH_DIR/include" -I"$TORCH_DIR/include/torch/csrc/api/include" -I"$out/shim" -I"$CUDA_INCLUDE"
+g++ -std=c++17 -O2 -Wall -Werror csrc/checks/check_numerics.cpp -o "$out/check_numerics"
+"$out/check_numerics"
 echo "CUDA sources compile"

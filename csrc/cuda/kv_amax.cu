@@ -3,8 +3,9 @@
 // CTA = (K or V, head, chunk of tokens). |x| is non-negative, so its float bits order like signed
 // integers, with every NaN (sign cleared) above +inf: an integer max reduces and propagates NaN
 // in one operation, and atomicMax folds into the running maximum.
-#include "device_utils.cuh"
-#include "launchers.h"
+#include "../elements.h"
+#include "device.cuh"
+#include "../gpu/kernels.h"
 
 namespace fp8kv::cuda {
 namespace {
@@ -13,15 +14,9 @@ constexpr int kThreads = 256;
 constexpr int kTokensPerCta = 64;
 constexpr int kLoadsInFlight = 4;
 
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  if constexpr (std::is_same_v<T, __half>) return __half2float(x);
-  else if constexpr (std::is_same_v<T, __nv_bfloat16>) return __bfloat162float(x);
-  else return x;
-}
-
-template <typename Src, int kVec>
+template <DType kSrc, int kVec>
 __global__ void __launch_bounds__(kThreads) kv_amax_kernel(const AmaxParams p) {
+  using Src = typename Element<kSrc>::Storage;
   const bool is_value = blockIdx.y >= static_cast<unsigned>(p.num_kv_heads);
   const int head = is_value ? blockIdx.y - p.num_kv_heads : blockIdx.y;
   const auto* base = static_cast<const Src*>(is_value ? p.value : p.key);
@@ -44,7 +39,7 @@ __global__ void __launch_bounds__(kThreads) kv_amax_kernel(const AmaxParams p) {
       const Src* src = base + token * token_stride + head * head_stride + (i % chunks_per_row) * kVec;
       if (i >= vectors) {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) values[u][e] = Src(0.f);
+        for (int e = 0; e < kVec; ++e) values[u][e] = Element<kSrc>::from_float(0.f);
       } else if constexpr (sizeof(Src) * kVec == 16) {
         *reinterpret_cast<uint4*>(values[u]) = __ldg(reinterpret_cast<const uint4*>(src));
       } else {
@@ -55,7 +50,7 @@ __global__ void __launch_bounds__(kThreads) kv_amax_kernel(const AmaxParams p) {
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) amax_bits = max(amax_bits, __float_as_int(fabsf(to_float(values[u][e]))));
+      for (int e = 0; e < kVec; ++e) amax_bits = max(amax_bits, __float_as_int(fabsf(Element<kSrc>::to_float(values[u][e]))));
     }
   }
 #pragma unroll
@@ -66,12 +61,13 @@ __global__ void __launch_bounds__(kThreads) kv_amax_kernel(const AmaxParams p) {
   if (threadIdx.x == 0) {
     for (int w = 1; w < kThreads / 32; ++w) amax_bits = max(amax_bits, warp_max[w]);
     const HeadScalars& out = is_value ? p.v_amax : p.k_amax;
-    atomicMax(reinterpret_cast<int*>(out.data + (out.per_head ? head : 0)), amax_bits);
+    atomicMax(reinterpret_cast<int*>(out.at(head)), amax_bits);
   }
 }
 
-template <typename Src>
+template <DType kSrc>
 cudaError_t launch_typed(const AmaxParams& p, cudaStream_t stream) {
+  using Src = typename Element<kSrc>::Storage;
   constexpr int kVec = 16 / sizeof(Src);
   auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const int64_t strides[] = {p.key_token_stride, p.key_head_stride, p.value_token_stride, p.value_head_stride};
@@ -80,23 +76,22 @@ cudaError_t launch_typed(const AmaxParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((p.num_tokens + kTokensPerCta - 1) / kTokensPerCta),
                   static_cast<unsigned>(2 * p.num_kv_heads));
   if (vectorized) {
-    kv_amax_kernel<Src, kVec><<<grid, kThreads, 0, stream>>>(p);
+    kv_amax_kernel<kSrc, kVec><<<grid, kThreads, 0, stream>>>(p);
   } else {
-    kv_amax_kernel<Src, 1><<<grid, kThreads, 0, stream>>>(p);
+    kv_amax_kernel<kSrc, 1><<<grid, kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
 
 }  // namespace
+}  // namespace fp8kv::cuda
 
-cudaError_t launch_kv_amax(const AmaxParams& p, cudaStream_t stream) {
+namespace fp8kv::gpu {
+
+Status kv_amax(const AmaxParams& p, Stream stream) {
   if (p.num_tokens == 0) return cudaSuccess;
-  switch (p.src_dtype) {
-    case DType::kFloat16: return launch_typed<__half>(p, stream);
-    case DType::kBFloat16: return launch_typed<__nv_bfloat16>(p, stream);
-    case DType::kFloat32: return launch_typed<float>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dispatch<kSourceDTypes>(p.src_dtype, cudaErrorInvalidValue,
+                                 [&](auto src) { return cuda::launch_typed<decltype(src)::value>(p, stream); });
 }
 
-}  // namespace fp8kv::cuda
+}  // namespace fp8kv::gpu

@@ -1,43 +1,39 @@
-// CUDA paged attention, host side: split planning and dispatch to the per-format decode and
-// multi-token kernels.
+// CUDA paged attention, host side: what the kernels support, split planning (from shapes and the
+// device's occupancy), workspace carving and dispatch to the per-format decode (decode.cuh) and
+// multi-token (prefill.cuh) kernels.
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
-#include "paged_attention_config.h"
+#include "launch.h"
 
 namespace fp8kv::cuda {
 namespace {
 
-using namespace attention;
+// Decode: positions of one split, at most: the block-table slice a CTA stages, in whole tile groups.
+int64_t decode_max_split_tokens(int block_size) {
+  return (static_cast<int64_t>(decode::kMaxPages - 2) * block_size) / decode::kTileGroup * decode::kTileGroup;
+}
 
-// Calls fn(CacheKind constant) for the params' cache dtype.
-template <typename Fn>
-cudaError_t with_cache_kind(DType cache_dtype, Fn&& fn) {
-  switch (cache_dtype) {
-    case DType::kFloat8E4M3FN: return fn(std::integral_constant<CacheKind, CacheKind::kE4M3FN>{});
-    case DType::kFloat8E5M2: return fn(std::integral_constant<CacheKind, CacheKind::kE5M2>{});
-    case DType::kFloat8E4M3FNUZ: return fn(std::integral_constant<CacheKind, CacheKind::kE4M3FNUZ>{});
-    case DType::kFloat16: return fn(std::integral_constant<CacheKind, CacheKind::kFloat16>{});
-    case DType::kBFloat16: return fn(std::integral_constant<CacheKind, CacheKind::kBFloat16>{});
-    default: return cudaErrorInvalidValue;
+int64_t max_context(int block_size) { return merge::kMaxSplits * decode_max_split_tokens(block_size); }
+
+bool nothing_to_do(const PagedAttentionParams& p) { return p.num_query_tokens == 0 || p.num_seqs == 0; }
+
+// The staging copies 16-byte vectors and addresses within a block with 32-bit arithmetic.
+bool cache_staging_safe(const CacheView& cache, int64_t element_bytes) {
+  bool ok = reinterpret_cast<uintptr_t>(cache.data) % 16 == 0;
+  for (int64_t stride : {cache.block_stride, cache.token_stride, cache.head_stride}) {
+    ok = ok && (stride * element_bytes) % 16 == 0 && stride * element_bytes < INT32_MAX;
   }
+  return ok;
 }
 
-}  // namespace
-
-bool paged_attention_supports_head_size(int head_size) {
-  return head_size == 64 || head_size == 80 || head_size == 96 || head_size == 128 || head_size == 192 ||
-         head_size == 256;
+// Queries are read and outputs written as pairs of 16-bit elements.
+bool pairs_aligned(const void* data, int64_t token_stride, int64_t head_stride) {
+  return reinterpret_cast<uintptr_t>(data) % 4 == 0 && token_stride % 2 == 0 && head_stride % 2 == 0;
 }
-
-int64_t paged_attention_max_context(int block_size) {
-  const int64_t tile_group = kTileTokens * kWarps;
-  return kMaxSplits * ((static_cast<int64_t>(kMaxPages - 2) * block_size) / tile_group * tile_group);
-}
-
-namespace {
-
-constexpr int64_t kMinSplitTokens = 512;  // several tiles per warp, so the pipeline fills
 
 // Splits = waves of equal CTAs: of the counts in [min_splits, max_splits] up to 4 waves' worth,
 // the one whose last wave is fullest, preferring fewer splits on ties.
@@ -61,73 +57,144 @@ void set_splits(int64_t capacity, int64_t splits, int64_t align, AttentionPlan& 
   plan.num_splits = static_cast<int>(std::max<int64_t>(1, (capacity + split_tokens - 1) / split_tokens));
 }
 
+// CTA slots of the current device for a kernel with `resident_per_sm` CTAs per SM (0 on error).
+int64_t cta_slots(int resident_per_sm) {
+  int device = 0, sms = 0;
+  if (resident_per_sm <= 0 || cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
+  }
+  return static_cast<int64_t>(sms) * resident_per_sm;
+}
+
 // Decode: one CTA per (sequence, query-head chunk, split, KV head).
-cudaError_t plan_decode(const PagedAttentionParams& p, int num_sms, AttentionPlan& plan) {
-  int resident_per_sm = 0;
-  const cudaError_t status = with_cache_kind(p.cache_dtype, [&](auto kind) {
-    resident_per_sm = prepare<decltype(kind)::value>(p.head_size);
-    return resident_per_sm > 0 ? cudaSuccess : cudaErrorInvalidConfiguration;
-  });
-  if (status != cudaSuccess) return status;
+cudaError_t plan_decode(const PagedAttentionParams& p, AttentionPlan& plan) {
+  const int64_t slots = cta_slots(dispatch<kAttentionCacheDTypes>(
+      p.cache_dtype, 0, [&](auto cache) { return decode::resident_ctas<decltype(cache)::value>(p.head_size); }));
+  if (slots == 0) return cudaErrorInvalidConfiguration;
   const int group = p.num_heads / p.num_kv_heads;
-  plan.row_chunks = p.num_query_tokens * ((group + kRows - 1) / kRows);
+  plan.row_chunks = p.num_query_tokens * ((group + decode::kRows - 1) / decode::kRows);
   const int64_t busy_ctas = std::max<int64_t>(1, plan.row_chunks * p.num_kv_heads);
-  const int64_t slots = static_cast<int64_t>(num_sms) * resident_per_sm;
   // Context known without a sync: the block table's capacity.
   const int64_t capacity = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
-  const int64_t tile_group = kTileTokens * kWarps;
-  const int64_t max_split_tokens = (static_cast<int64_t>(kMaxPages - 2) * p.block_size) / tile_group * tile_group;
+  const int64_t max_split_tokens = decode_max_split_tokens(p.block_size);
   const int64_t min_splits = (capacity + max_split_tokens - 1) / max_split_tokens;
-  if (min_splits > kMaxSplits) return cudaErrorInvalidValue;  // context beyond kMaxSplits * max_split_tokens
+  if (min_splits > merge::kMaxSplits) return cudaErrorInvalidValue;  // refused by paged_attention_unsupported
   const int64_t max_splits =
-      std::max<int64_t>(min_splits, std::min<int64_t>(kMaxSplits, capacity / kMinSplitTokens));
-  set_splits(capacity, choose_splits(busy_ctas, slots, min_splits, max_splits), tile_group, plan);
+      std::max<int64_t>(min_splits, std::min<int64_t>(merge::kMaxSplits, capacity / kMinSplitTokens));
+  set_splits(capacity, choose_splits(busy_ctas, slots, min_splits, max_splits), decode::kTileGroup, plan);
   return cudaSuccess;
 }
 
 // Multi-token: one CTA per (query tile of one sequence, split, KV head and head chunk). The tile
 // count is bounded from host shapes (each sequence wastes at most one partial tile); CTAs past the
 // real count exit at once.
-cudaError_t plan_prefill(const PagedAttentionParams& p, int num_sms, AttentionPlan& plan) {
+cudaError_t plan_prefill(const PagedAttentionParams& p, AttentionPlan& plan) {
   const int group = p.num_heads / p.num_kv_heads;
   plan.deep_staging = prefill::use_deep_staging(p.num_query_tokens, group, p.num_seqs);
-  int resident_per_sm = 0;
-  const cudaError_t status = with_cache_kind(p.cache_dtype, [&](auto kind) {
-    resident_per_sm = prefill::prepare<decltype(kind)::value>(p.head_size, plan.deep_staging);
-    return resident_per_sm > 0 ? cudaSuccess : cudaErrorInvalidConfiguration;
-  });
-  if (status != cudaSuccess) return status;
+  const int64_t slots = cta_slots(dispatch<kAttentionCacheDTypes>(p.cache_dtype, 0, [&](auto cache) {
+    return prefill::resident_ctas<decltype(cache)::value>(p.head_size, plan.deep_staging);
+  }));
+  if (slots == 0) return cudaErrorInvalidConfiguration;
   const prefill::RowMap map = prefill::RowMap::make(group);
   const int64_t packed_tiles = (p.num_query_tokens + map.tokens_per_tile - 1) / map.tokens_per_tile;
   plan.row_chunks = packed_tiles + p.num_seqs;
   if (plan.row_chunks > INT32_MAX) return cudaErrorInvalidValue;
   const int64_t busy_ctas =
       std::max<int64_t>(packed_tiles, p.num_seqs) * map.head_chunks * p.num_kv_heads;  // at least this many
-  const int64_t slots = static_cast<int64_t>(num_sms) * resident_per_sm;
   const int64_t capacity = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
   // Splitting pays when few query rows read a long cache (verification, decode-heavy batches); it
   // costs a partial-result round trip per row, so keep that below 1/16 of the cache bytes read.
   const int64_t partial_bytes = 2 * p.num_query_tokens * p.num_heads * (p.head_size + 2) * 4;
   const int64_t cache_bytes =
       2 * static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * capacity * p.head_size * dtype_bytes(p.cache_dtype);
-  const int64_t max_splits = std::max<int64_t>(
-      1, std::min({static_cast<int64_t>(kMaxSplits), capacity / kMinSplitTokens, cache_bytes / 16 / partial_bytes}));
+  const int64_t max_splits = std::max<int64_t>(1, std::min({static_cast<int64_t>(merge::kMaxSplits),
+                                                             capacity / kMinSplitTokens, cache_bytes / 16 / partial_bytes}));
   set_splits(capacity, choose_splits(busy_ctas, slots, 1, max_splits), prefill::kSplitAlign, plan);
   return cudaSuccess;
 }
 
 }  // namespace
 
-cudaError_t plan_paged_attention(const PagedAttentionParams& p, int num_sms, AttentionPlan& plan) {
-  return p.cu_seqlens_q == nullptr ? plan_decode(p, num_sms, plan) : plan_prefill(p, num_sms, plan);
-}
-
-cudaError_t launch_paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws,
-                                   cudaStream_t stream) {
-  return with_cache_kind(p.cache_dtype, [&](auto kind) {
-    constexpr CacheKind kKind = decltype(kind)::value;
-    return p.cu_seqlens_q == nullptr ? launch<kKind>(p, plan, ws, stream) : prefill::launch<kKind>(p, plan, ws, stream);
-  });
+int resident_ctas(const void* kernel, int threads, int max_smem_bytes, int smem_bytes) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  // Kernel attributes are per device: a process that uses several GPUs sets them on each.
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> resident;  // (kernel, device) -> CTAs per SM
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto known = resident.find({kernel, device});
+  if (known != resident.end()) return known->second;
+  int ctas = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem_bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, smem_bytes) != cudaSuccess) {
+    return 0;
+  }
+  resident.emplace(std::make_pair(kernel, device), ctas);
+  return ctas;
 }
 
 }  // namespace fp8kv::cuda
+
+namespace fp8kv::gpu {
+
+using namespace cuda;  // the backend's pieces
+
+std::string paged_attention_unsupported(const PagedAttentionParams& p) {
+  if (!contains(kCudaHeadSizes, p.head_size)) {
+    return "head_size must be one of " + format_list(kCudaHeadSizes) + ", got " + std::to_string(p.head_size);
+  }
+  if (!contains(kCudaBlockSizes, p.block_size)) {
+    return "block_size (`key_cache` dim 1) must be one of " + format_list(kCudaBlockSizes) + ", got " +
+           std::to_string(p.block_size);
+  }
+  const int64_t capacity = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
+  if (capacity > max_context(p.block_size)) {
+    return "`block_tables` capacity (max_blocks_per_seq * block_size = " + std::to_string(capacity) +
+           ") must be at most " + std::to_string(max_context(p.block_size)) + " for block_size " +
+           std::to_string(p.block_size);
+  }
+  const int64_t cache_bytes = dtype_bytes(p.cache_dtype);
+  for (const auto& [name, cache] : {std::pair{"key_cache", p.key_cache}, std::pair{"value_cache", p.value_cache}}) {
+    if (!cache_staging_safe(cache, cache_bytes)) {
+      return std::string("`") + name + "` must start on a 16-byte boundary and have strides that are multiples of "
+             "16 bytes and below 2^31 bytes (true for NHD, HND and interleaved K/V allocations)";
+    }
+  }
+  if (!pairs_aligned(p.query, p.query_token_stride, p.query_head_stride)) {
+    return "`query` rows must start on 4-byte boundaries";
+  }
+  if (!pairs_aligned(p.out, p.out_token_stride, p.out_head_stride)) return "`out` rows must start on 4-byte boundaries";
+  return "";
+}
+
+cudaError_t plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* plan) {
+  *plan = AttentionPlan{1, 0, 0, 0, false};
+  if (nothing_to_do(p)) return cudaSuccess;
+  const cudaError_t status = p.cu_seqlens_q == nullptr ? plan_decode(p, *plan) : plan_prefill(p, *plan);
+  if (plan->num_splits > 1) {
+    plan->workspace_bytes =
+        plan->num_splits * p.num_query_tokens * p.num_heads * (p.head_size + 2) * static_cast<int64_t>(sizeof(float));
+  }
+  return status;
+}
+
+cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, void* workspace,
+                            cudaStream_t stream) {
+  if (nothing_to_do(p)) return cudaSuccess;
+  SplitWorkspace ws{};
+  ws.rows = p.num_query_tokens * p.num_heads;
+  ws.num_splits = plan.num_splits;
+  if (plan.num_splits > 1) {
+    ws.acc = static_cast<float*>(workspace);
+    ws.row_max = ws.acc + plan.num_splits * ws.rows * p.head_size;
+    ws.row_sum = ws.row_max + plan.num_splits * ws.rows;
+  }
+  return dispatch<kAttentionCacheDTypes>(p.cache_dtype, cudaErrorInvalidValue, [&](auto cache) {
+    constexpr DType kCache = decltype(cache)::value;
+    return p.cu_seqlens_q == nullptr ? decode::launch<kCache>(p, plan, ws, stream)
+                                     : prefill::launch<kCache>(p, plan, ws, stream);
+  });
+}
+
+}  // namespace fp8kv::gpu

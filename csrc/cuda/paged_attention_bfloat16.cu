@@ -1,11 +1,3 @@
-// Paged-attention kernels (decode and multi-token) for bfloat16 caches (one file per format keeps builds parallel).
-#include "paged_attention_kernel.cuh"
-#include "prefill_attention_kernel.cuh"
-
-namespace fp8kv::cuda::attention {
-FP8KV_INSTANTIATE_ATTENTION(CacheKind::kBFloat16)
-}  // namespace fp8kv::cuda::attention
-
-namespace fp8kv::cuda::prefill {
-FP8KV_INSTANTIATE_PREFILL(CacheKind::kBFloat16)
-}  // namespace fp8kv::cuda::prefill
+// Paged-attention kernels for bfloat16 caches.
+#include "instantiate.cuh"
+FP8KV_INSTANTIATE_ATTENTION(DType::kBFloat16)

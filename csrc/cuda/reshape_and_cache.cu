@@ -1,27 +1,13 @@
 // CUDA cache write: each thread quantizes kVec consecutive elements of one (token, head) row of K
 // and of V (16-byte loads) and scatters them to the token's slot.
-#include "device_utils.cuh"
-#include "launchers.h"
+#include "../elements.h"
+#include "device.cuh"
+#include "../gpu/kernels.h"
 
 namespace fp8kv::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <typename T>
-struct Source;
-template <>
-struct Source<__half> {
-  static __device__ __forceinline__ float load(const __half* p, int i) { return __half2float(p[i]); }
-};
-template <>
-struct Source<__nv_bfloat16> {
-  static __device__ __forceinline__ float load(const __nv_bfloat16* p, int i) { return __bfloat162float(p[i]); }
-};
-template <>
-struct Source<float> {
-  static __device__ __forceinline__ float load(const float* p, int i) { return p[i]; }
-};
 
 // x / scale encoded; the division is IEEE (fp32, round to nearest) like the CPU codec's input.
 template <DType F>
@@ -43,10 +29,11 @@ __device__ __forceinline__ uint8_t quantize(float x, float scale) {
   return fp8_encode<F>(y);
 }
 
-// Writes kVec elements starting at `src` to `dst` (cache element type Dst).
-template <typename Src, DType kCache, int kVec>
-__device__ __forceinline__ void write_chunk(const Src* src, uint8_t* dst, float scale) {
-  if constexpr (kCache == DType::kFloat16 || kCache == DType::kBFloat16 || kCache == DType::kFloat32) {
+// Writes kVec elements starting at `src` to `dst` (cache element type kCache).
+template <DType kSrc, DType kCache, int kVec>
+__device__ __forceinline__ void write_chunk(const typename Element<kSrc>::Storage* src, uint8_t* dst, float scale) {
+  using Src = typename Element<kSrc>::Storage;
+  if constexpr (!is_fp8(kCache)) {
     // Unquantized: a bit copy (the cache dtype equals the source dtype).
     if constexpr (sizeof(Src) * kVec == 16) {
       *reinterpret_cast<uint4*>(dst) = __ldg(reinterpret_cast<const uint4*>(src));
@@ -55,7 +42,6 @@ __device__ __forceinline__ void write_chunk(const Src* src, uint8_t* dst, float 
       for (int i = 0; i < kVec; ++i) reinterpret_cast<Src*>(dst)[i] = src[i];
     }
   } else {
-    constexpr DType F = kCache;
     Src values[kVec];
     if constexpr (sizeof(Src) * kVec == 16) {
       *reinterpret_cast<uint4*>(values) = __ldg(reinterpret_cast<const uint4*>(src));
@@ -65,7 +51,7 @@ __device__ __forceinline__ void write_chunk(const Src* src, uint8_t* dst, float 
     }
     uint8_t codes[kVec];
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) codes[i] = quantize<F>(Source<Src>::load(values, i), scale);
+    for (int i = 0; i < kVec; ++i) codes[i] = quantize<kCache>(Element<kSrc>::to_float(values[i]), scale);
     if constexpr (kVec == 8) {
       *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(codes);
     } else if constexpr (kVec == 4) {
@@ -77,8 +63,9 @@ __device__ __forceinline__ void write_chunk(const Src* src, uint8_t* dst, float 
   }
 }
 
-template <typename Src, DType kCache, int kVec>
+template <DType kSrc, DType kCache, int kVec>
 __global__ void __launch_bounds__(kThreads) reshape_and_cache_kernel(const CacheWriteParams p) {
+  using Src = typename Element<kSrc>::Storage;
   const int chunks_per_row = p.head_size / kVec;
   const int64_t index = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t total = p.num_slots * p.num_kv_heads * chunks_per_row;
@@ -90,20 +77,20 @@ __global__ void __launch_bounds__(kThreads) reshape_and_cache_kernel(const Cache
   if (slot < 0) return;  // padding token
   const int64_t block = slot / p.block_size, offset = slot % p.block_size;
   if (block >= p.num_blocks) return;  // invalid slot (reported in debug-check mode): never write outside
-  constexpr int kCacheBytes = kCache == DType::kFloat32 ? 4 : (kCache == DType::kFloat16 || kCache == DType::kBFloat16) ? 2 : 1;
+  constexpr int kCacheBytes = dtype_bytes(kCache);
   const int element = chunk * kVec;
 
   const auto* key = static_cast<const Src*>(p.key) + token * p.key_token_stride + head * p.key_head_stride + element;
   auto* key_dst = static_cast<uint8_t*>(p.key_cache.data) +
                   (block * p.key_cache.block_stride + offset * p.key_cache.token_stride +
                    head * p.key_cache.head_stride + element) * kCacheBytes;
-  write_chunk<Src, kCache, kVec>(key, key_dst, p.k_scale.data[p.k_scale.per_head ? head : 0]);
+  write_chunk<kSrc, kCache, kVec>(key, key_dst, *p.k_scale.at(head));
 
   const auto* value = static_cast<const Src*>(p.value) + token * p.value_token_stride + head * p.value_head_stride + element;
   auto* value_dst = static_cast<uint8_t*>(p.value_cache.data) +
                     (block * p.value_cache.block_stride + offset * p.value_cache.token_stride +
                      head * p.value_cache.head_stride + element) * kCacheBytes;
-  write_chunk<Src, kCache, kVec>(value, value_dst, p.v_scale.data[p.v_scale.per_head ? head : 0]);
+  write_chunk<kSrc, kCache, kVec>(value, value_dst, *p.v_scale.at(head));
 }
 
 // 16-byte source vectors when every row start is 16-byte aligned, else one element per thread.
@@ -122,45 +109,36 @@ bool rows_are_16_byte_aligned(const CacheWriteParams& p, int src_bytes, int vec)
   return ok;
 }
 
-template <typename Src, DType kCache>
+template <DType kSrc, DType kCache>
 cudaError_t launch_typed(const CacheWriteParams& p, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(Src);
-  const bool vectorized = rows_are_16_byte_aligned(p, sizeof(Src), kVec);
+  constexpr int kVec = 16 / dtype_bytes(kSrc);
+  const bool vectorized = rows_are_16_byte_aligned(p, dtype_bytes(kSrc), kVec);
   const int vec = vectorized ? kVec : 1;
   const int64_t threads = p.num_slots * p.num_kv_heads * (p.head_size / vec);
   if (threads == 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>((threads + kThreads - 1) / kThreads);
   if (vectorized) {
-    reshape_and_cache_kernel<Src, kCache, kVec><<<blocks, kThreads, 0, stream>>>(p);
+    reshape_and_cache_kernel<kSrc, kCache, kVec><<<blocks, kThreads, 0, stream>>>(p);
   } else {
-    reshape_and_cache_kernel<Src, kCache, 1><<<blocks, kThreads, 0, stream>>>(p);
+    reshape_and_cache_kernel<kSrc, kCache, 1><<<blocks, kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
 
-template <typename Src>
-cudaError_t dispatch_cache(const CacheWriteParams& p, cudaStream_t stream) {
-  switch (p.cache_dtype) {
-    case DType::kFloat8E4M3FN: return launch_typed<Src, DType::kFloat8E4M3FN>(p, stream);
-    case DType::kFloat8E5M2: return launch_typed<Src, DType::kFloat8E5M2>(p, stream);
-    case DType::kFloat8E4M3FNUZ: return launch_typed<Src, DType::kFloat8E4M3FNUZ>(p, stream);
-    default: break;
-  }
-  // Unquantized: the cache has the source's dtype.
-  if constexpr (std::is_same_v<Src, __half>) return launch_typed<Src, DType::kFloat16>(p, stream);
-  if constexpr (std::is_same_v<Src, __nv_bfloat16>) return launch_typed<Src, DType::kBFloat16>(p, stream);
-  return launch_typed<Src, DType::kFloat32>(p, stream);
-}
-
 }  // namespace
+}  // namespace fp8kv::cuda
 
-cudaError_t launch_reshape_and_cache(const CacheWriteParams& p, cudaStream_t stream) {
-  switch (p.src_dtype) {
-    case DType::kFloat16: return dispatch_cache<__half>(p, stream);
-    case DType::kBFloat16: return dispatch_cache<__nv_bfloat16>(p, stream);
-    case DType::kFloat32: return dispatch_cache<float>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+namespace fp8kv::gpu {
+
+Status reshape_and_cache(const CacheWriteParams& p, Stream stream) {
+  return dispatch<kSourceDTypes>(p.src_dtype, cudaErrorInvalidValue, [&](auto src) {
+    constexpr DType kSrc = decltype(src)::value;
+    // Unquantized: the cache has the source's dtype.
+    if (!is_fp8(p.cache_dtype)) return cuda::launch_typed<kSrc, kSrc>(p, stream);
+    return dispatch<kFp8DTypes>(p.cache_dtype, cudaErrorInvalidValue, [&](auto cache) {
+      return cuda::launch_typed<kSrc, decltype(cache)::value>(p, stream);
+    });
+  });
 }
 
-}  // namespace fp8kv::cuda
+}  // namespace fp8kv::gpu

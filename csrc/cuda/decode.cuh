@@ -1,45 +1,22 @@
-// CUDA paged-attention decode kernel over an FP8 (or 16-bit) cache (one query token per sequence;
-// multi-token queries: prefill_attention_kernel.cuh), and the split-KV merge both use.
-// Design notes: docs/cuda_decode_design.md. Instantiated per cache format by paged_attention_<format>.cu.
+// CUDA paged-attention decode kernel over an FP8 (or 16-bit) cache: one query token per sequence
+// (multi-token queries: prefill.cuh). Design notes: docs/cuda_decode_design.md. Instantiated per cache
+// format by paged_attention_<format>.cu.
 #pragma once
 #include <algorithm>
 #include <cfloat>
 #include <climits>
 
-#include "device_utils.cuh"
-#include "paged_attention_config.h"
+#include "attention_io.cuh"
+#include "launch.h"
 
-namespace fp8kv::cuda::attention {
-
-
-// Multiplier of a raw q.k giving the base-2 logit: softmax scale, k_scale (FP8 caches only; an
-// unquantized cache holds the values themselves) and the FP8 decode factor folded into one
-// number; log2(e) too unless a soft cap applies it after tanh (see soft_capped).
-template <CacheKind C>
-__device__ __forceinline__ float logit_multiplier(const PagedAttentionParams& p, int kv_head) {
-  float m = p.softmax_scale;
-  if constexpr (CacheTraits<C>::kIsFp8) m *= p.k_scale.data[p.k_scale.per_head ? kv_head : 0] * fp8_decode_factor<C>();
-  return p.logits_soft_cap > 0.f ? m : m * kLog2e;
-}
-
-// A logit scaled by logit_multiplier, soft-capped (cap > 0) and in base 2.
-__device__ __forceinline__ float soft_capped(float x, float cap) {
-  return cap > 0.f ? cap * tanhf(x * (1.f / cap)) * kLog2e : x;
-}
-
-// Factor of the normalized accumulator giving the output: v_scale and the FP8 decode factor.
-template <CacheKind C>
-__device__ __forceinline__ float output_scale(const PagedAttentionParams& p, int kv_head) {
-  if constexpr (CacheTraits<C>::kIsFp8) return p.v_scale.data[p.v_scale.per_head ? kv_head : 0] * fp8_decode_factor<C>();
-  return 1.f;
-}
+namespace fp8kv::cuda::decode {
 
 // Which bytes of a row each lane owns. With g = lane / 4 and t = lane % 4:
 // - K (mma A, rows = tokens g and g + 8): lane t owns D/4 elements, vector i of it at element
 //   (i * 4 + t) * kKVec;
 // - V (mma A^T, rows = tokens 2t, 2t+1, 2t+8, 2t+9): lane group g owns D/8 elements, vector i at
 //   element (i * 8 + g) * kVVec.
-template <CacheKind C, int D>
+template <DType C, int D>
 struct Layout {
   static constexpr int kElemBytes = CacheTraits<C>::kElemBytes;
   static constexpr int kKBytes = D / 4 * kElemBytes;
@@ -60,7 +37,7 @@ struct Layout {
 };
 
 // Raw cache words of one 16-token tile, as one lane holds them.
-template <CacheKind C, int D>
+template <DType C, int D>
 struct TileRegs {
   uint32_t k[2][Layout<C, D>::kKWords];  // tokens g, g + 8
   uint32_t v[4][Layout<C, D>::kVWords];  // tokens 2t, 2t + 1, 2t + 8, 2t + 9
@@ -126,7 +103,7 @@ constexpr int conflict_free_pitch(int row_bytes, int vec, bool is_key) {
 
 // Per-warp staging of 16-token tiles in shared memory: K rows then V rows, each row as in the cache,
 // at pitches padded so that the fragment loads of read_tile are free of bank conflicts.
-template <CacheKind C, int D>
+template <DType C, int D>
 struct Staging {
   using L = Layout<C, D>;
   static constexpr int kRowBytes = D * L::kElemBytes;  // a multiple of 16 for every head size
@@ -154,7 +131,7 @@ struct RowSource {
   int token_bytes;
 };
 
-template <CacheKind C>
+template <DType C>
 __device__ __forceinline__ RowSource make_row_source(const PagedAttentionParams& p, int kv_head, int lane) {
   constexpr int kElemBytes = CacheTraits<C>::kElemBytes;
   const CacheView& cache = lane < 16 ? p.key_cache : p.value_cache;
@@ -173,7 +150,7 @@ __device__ __forceinline__ RowSource make_row_source(const PagedAttentionParams&
 // [w.lo, w.hi) or behind a block-table entry outside [0, num_blocks) are not read but zero-filled,
 // so masked keys and values stay finite (a stale FP8 NaN code would survive a zero probability).
 // `pages` holds the CTA's slice of its block-table row, starting at w.first_page.
-template <CacheKind C, int D>
+template <DType C, int D>
 __device__ __forceinline__ void stage_tile(uint8_t* stage, const RowSource& src, const int32_t* pages,
                                            const CtaWork& w, int num_blocks, int tile_start, int lane) {
   using S = Staging<C, D>;
@@ -197,7 +174,7 @@ __device__ __forceinline__ void stage_tile(uint8_t* stage, const RowSource& src,
 }
 
 // Loads the lane's fragment bytes of a staged tile (see Layout for which bytes a lane owns).
-template <CacheKind C, int D>
+template <DType C, int D>
 __device__ __forceinline__ void read_tile(TileRegs<C, D>& regs, const uint8_t* stage, int lane) {
   using L = Layout<C, D>;
   using S = Staging<C, D>;
@@ -232,15 +209,12 @@ __device__ __forceinline__ void read_tile(TileRegs<C, D>& regs, const uint8_t* s
   }
 }
 
-// Per-lane online-softmax state for the lane's two query columns 2t and 2t + 1.
+// The lane's online-softmax state is for its two query columns 2t and 2t + 1, its accumulators the
+// O^T fragments [m-tile][c0..c3].
 template <int D>
-struct SoftmaxState {
-  float acc[D / 16][4];  // O^T fragments: [m-tile][c0..c3]
-  float row_max[2];      // running max of log2-domain logits (uniform across lanes with equal t)
-  float row_sum[2];      // this lane's share of the softmax denominator
-};
+using SoftmaxState = OnlineSoftmax<D / 16>;
 
-template <CacheKind C, int D>
+template <DType C, int D>
 __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const uint32_t (&q_frag)[D / 16][2],
                                             SoftmaxState<D>& st, int tile_start, bool interior,
                                             const int (&lo)[2], const int (&hi)[2], float logit_multiplier,
@@ -256,8 +230,8 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
   for (int step = 0; step < L::kSteps; ++step) {
     uint32_t a[4];
     if constexpr (CacheTraits<C>::kIsFp8) {
-      fp8x4_to_half2x2<C>(regs.k[0][step], a[0], a[2]);
-      fp8x4_to_half2x2<C>(regs.k[1][step], a[1], a[3]);
+      convert_fp8x4<C>(regs.k[0][step], a[0], a[2]);
+      convert_fp8x4<C>(regs.k[1][step], a[1], a[3]);
     } else {
       a[0] = regs.k[0][2 * step], a[2] = regs.k[0][2 * step + 1];
       a[1] = regs.k[1][2 * step], a[3] = regs.k[1][2 * step + 1];
@@ -318,8 +292,8 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
       const uint32_t sel = (j % 2 == 0) ? 0x5140u : 0x7362u;
       const uint32_t top = byte_perm(regs.v[0][word], regs.v[1][word], sel);     // tokens 2t, 2t+1
       const uint32_t bottom = byte_perm(regs.v[2][word], regs.v[3][word], sel);  // tokens 2t+8, 2t+9
-      fp8x4_to_half2x2<C>(top, a[0], a[1]);
-      fp8x4_to_half2x2<C>(bottom, a[2], a[3]);
+      convert_fp8x4<C>(top, a[0], a[1]);
+      convert_fp8x4<C>(bottom, a[2], a[3]);
     } else {
       a[0] = byte_perm(regs.v[0][j], regs.v[1][j], 0x5410u);
       a[1] = byte_perm(regs.v[0][j], regs.v[1][j], 0x7632u);
@@ -329,7 +303,6 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
     mma_16x8x16<kBf16>(st.acc[j], a, p0, p1);
   }
 }
-
 // Finds the CTA's sequence, rows (query heads of one chunk of the group) and cache range.
 // Every row of the CTA sees the same positions, [w.lo, w.hi).
 __device__ __forceinline__ void plan_cta(const PagedAttentionParams& p, int chunk_index, int split, int split_tokens,
@@ -341,7 +314,7 @@ __device__ __forceinline__ void plan_cta(const PagedAttentionParams& p, int chun
   const int heads_in_chunk = min(kRows, group - head_chunk * kRows);
   // Clamped to the table's capacity so that unchecked (non-debug) input never reads past it.
   const int seq_len = min(__ldg(p.seq_lens + seq), p.max_blocks_per_seq * p.block_size);
-  const int lo_all = p.sliding_window > 0 ? max(0, seq_len - p.sliding_window) : 0;
+  const KeyRange<int> keys = visible_keys(seq_len, 1, 0, p.sliding_window);
 #pragma unroll
   for (int n = 0; n < kRows; ++n) {
     const bool valid = n < heads_in_chunk;
@@ -350,114 +323,55 @@ __device__ __forceinline__ void plan_cta(const PagedAttentionParams& p, int chun
   }
   w.seq = seq;
   w.block_shift = __ffs(p.block_size) - 1;
-  w.lo = max(lo_all, split * split_tokens);
-  w.hi = min(seq_len, (split + 1) * split_tokens);
+  w.lo = max(keys.begin, split * split_tokens);
+  w.hi = min(keys.end, (split + 1) * split_tokens);
   w.first_page = (split * split_tokens) >> w.block_shift;  // the split's first page, known without seq_len
 }
 
-template <CacheKind C, int D>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kernel(const PagedAttentionParams p, SplitWorkspace ws,
-                                                                   int split_tokens) {
-  using L = Layout<C, D>;
-  constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int g = lane / 4, t = lane % 4;
-  const int split = blockIdx.y;
-  if (ws.num_splits > 1) allow_dependent_grid();  // the merge may start its CTAs (they wait for this grid)
-
-  CtaWork w;
-  w.kv_head = blockIdx.z;
-  RowInfo rows[kRows];
-  plan_cta(p, blockIdx.x, split, split_tokens, w, rows);
-  const bool query_bf16 = p.query_dtype == DType::kBFloat16;
-
-  // Q^T fragments for S = K Q^T: column g of B is query row g; its k-step `step` holds the lane's
-  // K elements 4*step .. 4*step+3 (see Layout::key_dim).
-  uint32_t q_frag[D / 16][2];
-  {
-    const RowInfo row = rows[g];
-    const auto* q = static_cast<const uint8_t*>(p.query) +
-                    (row.query_row * p.query_token_stride + static_cast<int64_t>(row.head) * p.query_head_stride) * 2;
+// Q^T fragments for S = K Q^T: column g of B is query row g; its k-step `step` holds the lane's
+// K elements 4*step .. 4*step+3 (see Layout::key_dim).
+template <DType C, int D>
+__device__ __forceinline__ void load_query(const PagedAttentionParams& p, const RowInfo (&rows)[kRows], int g, int t,
+                                           bool query_bf16, uint32_t (&q_frag)[D / 16][2]) {
+  const QueryRow<CacheTraits<C>::kBf16Math> q(p, rows[g].query_row, rows[g].head, query_bf16);
 #pragma unroll
-    for (int step = 0; step < D / 16; ++step) {
+  for (int step = 0; step < D / 16; ++step) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        uint32_t packed = 0u;
-        if (row.query_row >= 0) {
-          const int dim = L::key_dim(t, 4 * step + 2 * half);  // dims dim, dim+1 are adjacent
-          const float2 x = load_pair_as_float2(q + dim * 2, query_bf16);
-          packed = pack_pair<kBf16>(x.x, x.y);
-        }
-        q_frag[step][half] = packed;
-      }
-    }
+    for (int half = 0; half < 2; ++half) q_frag[step][half] = q.pair(Layout<C, D>::key_dim(t, 4 * step + 2 * half));
   }
+}
 
-  const int seq = w.seq;
-  const float multiplier = logit_multiplier<C>(p, w.kv_head);
-  const float soft_cap = p.logits_soft_cap;
-
+// How the lane's logits are formed and masked: the logit multiplier and soft cap, and the visible
+// positions of its two columns 2t, 2t + 1 (padding columns see nothing).
+struct LogitRule {
+  float multiplier;
+  float soft_cap;
   int lo[2], hi[2];
+};
+
+template <DType C>
+__device__ __forceinline__ LogitRule logit_rule(const PagedAttentionParams& p, const CtaWork& w,
+                                                const RowInfo (&rows)[kRows], int t) {
+  LogitRule r;
+  r.multiplier = logit_multiplier<C>(p, w.kv_head);
+  r.soft_cap = p.logits_soft_cap;
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
-    const bool valid = rows[2 * t + c].query_row >= 0;  // padding columns see nothing
-    lo[c] = valid ? w.lo : 0;
-    hi[c] = valid ? w.hi : 0;
+    const bool valid = rows[2 * t + c].query_row >= 0;
+    r.lo[c] = valid ? w.lo : 0;
+    r.hi[c] = valid ? w.hi : 0;
   }
+  return r;
+}
 
-  SoftmaxState<D> st;
-#pragma unroll
-  for (int j = 0; j < D / 16; ++j) st.acc[j][0] = st.acc[j][1] = st.acc[j][2] = st.acc[j][3] = 0.f;
-  st.row_max[0] = st.row_max[1] = -INFINITY;
-  st.row_sum[0] = st.row_sum[1] = 0.f;
-
-  using Stg = Staging<C, D>;
-  extern __shared__ __align__(16) uint8_t smem[];
-  // The split's slice of its block-table row, read once: the loop then finds pages in shared memory.
-  // The slice's bounds do not depend on seq_len, so these loads overlap its load (one round trip
-  // before the first tile instead of two); entries past seq_len are read but never used.
-  int32_t* pages = reinterpret_cast<int32_t*>(smem + Stg::kPagesOffset);
-  {
-    const int32_t* table_row = p.block_tables + seq * p.block_table_stride;
-    const int64_t split_end = static_cast<int64_t>(split + 1) * split_tokens;
-    const int end_page = static_cast<int>(std::min<int64_t>(p.max_blocks_per_seq, (split_end + p.block_size - 1) >> w.block_shift));
-#pragma unroll 4
-    for (int i = threadIdx.x; i < end_page - w.first_page; i += kThreads) pages[i] = __ldg(table_row + w.first_page + i);
-  }
-  __syncthreads();
-  const RowSource source = make_row_source<C>(p, w.kv_head, lane);
-
-  const int first_tile = (w.lo / kTileTokens) * kTileTokens;
-  const int num_tiles = w.hi > w.lo ? (w.hi - first_tile + kTileTokens - 1) / kTileTokens : 0;
-  // Warp `warp` takes tiles warp, warp + kWarps, ...; its k-th tile starts at tile_start(k).
-  const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
-  auto tile_start = [&](int k) { return first_tile + (warp + k * kWarps) * kTileTokens; };
-
-  uint8_t* ring = smem + warp * Stg::kStages * Stg::kStageBytes;
-  auto stage = [&](int k) {
-    stage_tile<C, D>(ring + (k % Stg::kStages) * Stg::kStageBytes, source, pages, w, p.num_blocks, tile_start(k), lane);
-  };
-  // Keep kStages - 1 tiles in flight; every iteration commits one (possibly empty) copy group, so
-  // waiting for all but the newest kStages - 1 groups means tile k has landed.
-#pragma unroll
-  for (int k = 0; k < Stg::kStages - 1; ++k) {
-    if (k < my_tiles) stage(k);
-    copy_async_commit();
-  }
-  TileRegs<C, D> regs;
-  for (int k = 0; k < my_tiles; ++k) {
-    if (k + Stg::kStages - 1 < my_tiles) stage(k + Stg::kStages - 1);
-    copy_async_commit();
-    copy_async_wait<Stg::kStages - 1>();
-    __syncwarp();  // rows copied by other lanes are visible
-    read_tile<C, D>(regs, ring + (k % Stg::kStages) * Stg::kStageBytes, lane);
-    const bool interior = tile_start(k) >= w.lo && tile_start(k) + kTileTokens <= w.hi;
-    attend_tile<C, D>(regs, q_frag, st, tile_start(k), interior, lo, hi, multiplier, soft_cap, lane);
-    __syncwarp();  // every lane has read the slot before it is refilled
-  }
-  copy_async_wait<0>();
-  __syncthreads();  // the ring is reused below for the warp merge
-
+// Merges the warps' states through shared memory (reusing the ring) and writes each row: thread
+// items cover kRows columns x D dims, two adjacent dims per item.
+template <DType C, int D>
+__device__ __forceinline__ void merge_warps_and_write(const PagedAttentionParams& p, const SplitWorkspace& ws,
+                                                      int split, const CtaWork& w, const RowInfo (&rows)[kRows],
+                                                      bool out_bf16, int g, int t, int warp, SoftmaxState<D>& st,
+                                                      uint8_t* smem) {
+  using L = Layout<C, D>;
   // Each lane holds a share of the denominators: sum over lanes with equal t.
 #pragma unroll
   for (int c = 0; c < 2; ++c) {
@@ -465,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kerne
     for (int mask = 4; mask < 32; mask <<= 1) st.row_sum[c] += __shfl_xor_sync(0xffffffffu, st.row_sum[c], mask);
   }
 
-  // Merge the warps through shared memory: acc[warp][column][dim], max and sum per (warp, column).
+  // acc[warp][column][dim], max and sum per (warp, column).
   auto smem_acc = reinterpret_cast<float (*)[kRows][D + 4]>(smem);
   auto smem_max = reinterpret_cast<float (*)[kRows]>(smem + kWarps * kRows * (D + 4) * sizeof(float));
   auto smem_sum = smem_max + kWarps;
@@ -484,8 +398,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kerne
   __syncthreads();
 
   const float v_scale = output_scale<C>(p, w.kv_head);
-  const bool out_bf16 = query_bf16;
-  // 128 threads cover kRows columns x D dims, two adjacent dims per thread per pass.
   for (int item = threadIdx.x; item < kRows * D / 2; item += kThreads) {
     const int n = item / (D / 2);
     const int d = 2 * (item % (D / 2));
@@ -504,157 +416,112 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm) paged_attention_kerne
       o0 += weight * smem_acc[x][n][d];
       o1 += weight * smem_acc[x][n][d + 1];
     }
-    const int64_t out_index = row.query_row * static_cast<int64_t>(p.num_heads) + row.head;
-    if (ws.num_splits == 1) {
-      const float norm = sum > 0.f ? v_scale / sum : 0.f;  // no visible key: zeros
-      auto* out = static_cast<uint8_t*>(p.out) + (row.query_row * p.out_token_stride + static_cast<int64_t>(row.head) * p.out_head_stride + d) * 2;
-      store_pair_from_float2(out, o0 * norm, o1 * norm, out_bf16);
-    } else {
-      // Partials carry the value scale: the merge is then a plain log-sum-exp over splits.
-      const int64_t slot = static_cast<int64_t>(split) * ws.rows + out_index;
-      ws.acc[slot * D + d] = o0 * v_scale;
-      ws.acc[slot * D + d + 1] = o1 * v_scale;
-      if (d == 0) ws.row_max[slot] = max_all, ws.row_sum[slot] = sum;
-    }
+    write_pair<D>(p, ws, split, row.query_row, row.head, out_bf16, v_scale, max_all, sum, d, o0, o1);
   }
 }
 
-// Merges the splits of each (query row, head) with log-sum-exp weights in fp32. One CTA per row:
-// thread s weighs split s (num_splits <= kMaxSplits); then each group of D/4 threads sums a share of
-// the splits as float4 vectors (independent loads, all in flight at once), and the groups' sums are
-// added through shared memory.
-template <int D>
-__global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(const PagedAttentionParams p, SplitWorkspace ws) {
-  constexpr int kVectors = D / 4;
-  constexpr int kGroups = kMergeThreads / kVectors;
-  __shared__ float weights[kMaxSplits];
-  __shared__ float partial[2][kMergeThreads / 32];
-  __shared__ float group_sums[kGroups][D];
-  wait_for_previous_grid();
-  const int64_t row = blockIdx.x;  // query_row * num_heads + head
+template <DType C, int D>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+    decode_kernel(const PagedAttentionParams p, SplitWorkspace ws, int split_tokens) {
+  using Stg = Staging<C, D>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int s = threadIdx.x;
-  // Every split writes its row's max and sum (sum 0: no keys), so both load at once.
-  const float split_sum = s < ws.num_splits ? ws.row_sum[s * ws.rows + row] : 0.f;
-  const float split_max = s < ws.num_splits ? ws.row_max[s * ws.rows + row] : -INFINITY;
-  const bool has_split = split_sum > 0.f;
-  float max_all = has_split ? split_max : -INFINITY;
-#pragma unroll
-  for (int mask = 16; mask > 0; mask >>= 1) max_all = fmaxf(max_all, __shfl_xor_sync(0xffffffffu, max_all, mask));
-  if (lane == 0) partial[0][warp] = max_all;
-  __syncthreads();
-  max_all = partial[0][0];
-#pragma unroll
-  for (int x = 1; x < kMergeThreads / 32; ++x) max_all = fmaxf(max_all, partial[0][x]);
-  const float weight = has_split ? fast_exp2(split_max - max_all) : 0.f;
-  float sum = weight * split_sum;
-#pragma unroll
-  for (int mask = 16; mask > 0; mask >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
-  if (lane == 0) partial[1][warp] = sum;
-  if (s < ws.num_splits) weights[s] = weight;
-  __syncthreads();
-  sum = 0.f;
-#pragma unroll
-  for (int x = 0; x < kMergeThreads / 32; ++x) sum += partial[1][x];
-  const float norm = sum > 0.f ? 1.f / sum : 0.f;
+  const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
+  const int split = blockIdx.y;
+  if (ws.num_splits > 1) allow_dependent_grid();  // the merge may start its CTAs (they wait for this grid)
 
-  const int group = threadIdx.x / kVectors, vector = threadIdx.x % kVectors;
-  if (group < kGroups) {
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-    for (int x = group; x < ws.num_splits; x += kGroups) {
-      // Loaded unconditionally so the loads of several splits are in flight together; an empty
-      // split's acc was never written (weight 0): selected away, never multiplied.
-      const float4 a = reinterpret_cast<const float4*>(ws.acc + (x * ws.rows + row) * D)[vector];
-      const float w = weights[x];
-      if (w != 0.f) o.x += w * a.x, o.y += w * a.y, o.z += w * a.z, o.w += w * a.w;
+  CtaWork w;
+  w.kv_head = blockIdx.z;
+  RowInfo rows[kRows];
+  plan_cta(p, blockIdx.x, split, split_tokens, w, rows);
+  const bool query_bf16 = p.query_dtype == DType::kBFloat16;  // also the output's
+  uint32_t q_frag[D / 16][2];
+  load_query<C, D>(p, rows, g, t, query_bf16, q_frag);
+  const LogitRule rule = logit_rule<C>(p, w, rows, t);
+
+  SoftmaxState<D> st;
+
+  extern __shared__ __align__(16) uint8_t smem[];
+  // The split's slice of its block-table row, read once: the main loop then finds pages in shared
+  // memory. The slice's bounds do not depend on seq_len, so these loads overlap its load (one round
+  // trip before the first tile instead of two); entries past seq_len are read but never used.
+  int32_t* pages = reinterpret_cast<int32_t*>(smem + Stg::kPagesOffset);
+  {
+    const int32_t* table_row = p.block_tables + w.seq * p.block_table_stride;
+    const int64_t split_end = static_cast<int64_t>(split + 1) * split_tokens;
+    const int end_page =
+        static_cast<int>(std::min<int64_t>(p.max_blocks_per_seq, (split_end + p.block_size - 1) >> w.block_shift));
+#pragma unroll 4
+    for (int i = threadIdx.x; i < end_page - w.first_page; i += kThreads) pages[i] = __ldg(table_row + w.first_page + i);
+  }
+  __syncthreads();
+  // The main loop: warp `warp` attends to tiles warp, warp + kWarps, ... of [w.lo, w.hi) through its
+  // own ring of kStages shared-memory stages (kStages - 1 tiles in flight). It stays in the kernel
+  // body: as a function it shifts the register allocation of some instantiations' loop.
+  {
+    const RowSource source = make_row_source<C>(p, w.kv_head, lane);
+
+    const int first_tile = (w.lo / kTileTokens) * kTileTokens;
+    const int num_tiles = w.hi > w.lo ? (w.hi - first_tile + kTileTokens - 1) / kTileTokens : 0;
+    // Warp `warp` takes tiles warp, warp + kWarps, ...; its k-th tile starts at tile_start(k).
+    const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
+    auto tile_start = [&](int k) { return first_tile + (warp + k * kWarps) * kTileTokens; };
+
+    uint8_t* ring = smem + warp * Stg::kStages * Stg::kStageBytes;
+    auto stage = [&](int k) {
+      stage_tile<C, D>(ring + (k % Stg::kStages) * Stg::kStageBytes, source, pages, w, p.num_blocks, tile_start(k), lane);
+    };
+    // Keep kStages - 1 tiles in flight; every iteration commits one (possibly empty) copy group, so
+    // waiting for all but the newest kStages - 1 groups means tile k has landed.
+#pragma unroll
+    for (int k = 0; k < Stg::kStages - 1; ++k) {
+      if (k < my_tiles) stage(k);
+      copy_async_commit();
     }
-    group_sums[group][4 * vector] = o.x, group_sums[group][4 * vector + 1] = o.y;
-    group_sums[group][4 * vector + 2] = o.z, group_sums[group][4 * vector + 3] = o.w;
+    TileRegs<C, D> regs;
+    for (int k = 0; k < my_tiles; ++k) {
+      if (k + Stg::kStages - 1 < my_tiles) stage(k + Stg::kStages - 1);
+      copy_async_commit();
+      copy_async_wait<Stg::kStages - 1>();
+      __syncwarp();  // rows copied by other lanes are visible
+      read_tile<C, D>(regs, ring + (k % Stg::kStages) * Stg::kStageBytes, lane);
+      const bool interior = tile_start(k) >= w.lo && tile_start(k) + kTileTokens <= w.hi;
+      attend_tile<C, D>(regs, q_frag, st, tile_start(k), interior, rule.lo, rule.hi, rule.multiplier, rule.soft_cap,
+                        lane);
+      __syncwarp();  // every lane has read the slot before it is refilled
+    }
+    copy_async_wait<0>();
   }
-  __syncthreads();
-
-  const int64_t query_row = row / p.num_heads;
-  const int head = static_cast<int>(row % p.num_heads);
-  for (int d = 2 * threadIdx.x; d < D; d += 2 * kMergeThreads) {
-    float o0 = 0.f, o1 = 0.f;
-#pragma unroll
-    for (int x = 0; x < kGroups; ++x) o0 += group_sums[x][d], o1 += group_sums[x][d + 1];
-    auto* out = static_cast<uint8_t*>(p.out) +
-                (query_row * p.out_token_stride + static_cast<int64_t>(head) * p.out_head_stride + d) * 2;
-    store_pair_from_float2(out, o0 * norm, o1 * norm, p.query_dtype == DType::kBFloat16);
-  }
+  __syncthreads();  // the ring is reused for the warp merge
+  merge_warps_and_write<C, D>(p, ws, split, w, rows, query_bf16, g, t, warp, st, smem);
 }
 
-template <CacheKind C, int D>
-cudaError_t launch_head(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws,
+template <DType C, int D>
+cudaError_t launch_head(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
                         cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(plan.row_chunks), static_cast<unsigned>(plan.num_splits),
                   static_cast<unsigned>(p.num_kv_heads));
   const int smem_bytes = Staging<C, D>::kPagesOffset + pages_bytes(plan, p.block_size);
-  paged_attention_kernel<C, D><<<grid, kThreads, smem_bytes, stream>>>(p, ws, plan.split_tokens);
-  if (plan.num_splits == 1) return cudaGetLastError();
-  // On sm_90+ the merge is a programmatic dependent launch: its launch overlaps this grid's tail.
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(ws.rows));
-  config.blockDim = dim3(kMergeThreads);
-  config.stream = stream;
-  cudaLaunchAttribute dependent;
-  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  dependent.val.programmaticStreamSerializationAllowed = 1;
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) == cudaSuccess &&
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9 &&
-      kDependentMerge) {
-    config.attrs = &dependent;
-    config.numAttrs = 1;
-  }
+  decode_kernel<C, D><<<grid, kThreads, smem_bytes, stream>>>(p, ws, plan.split_tokens);
   const cudaError_t status = cudaGetLastError();
-  return status != cudaSuccess ? status : cudaLaunchKernelEx(&config, merge_splits_kernel<D>, p, ws);
+  return status != cudaSuccess || plan.num_splits == 1 ? status : merge::launch(p, ws, stream);
 }
 
-template <CacheKind C, int D>
-int prepare_head() {
-  static const int resident = [] {
-    auto* kernel = paged_attention_kernel<C, D>;
-    using Stg = Staging<C, D>;
-    int ctas = 0;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             Stg::kPagesOffset + kMaxPages * 4) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads,
-                                                      Stg::kPagesOffset + Stg::kTypicalPagesBytes) != cudaSuccess) {
-      return 0;
-    }
-    return ctas;
-  }();
-  return resident;
+template <DType C>
+cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
+                   cudaStream_t stream) {
+  return dispatch<kCudaHeadSizes>(p.head_size, cudaErrorInvalidValue, [&](auto head) {
+    return launch_head<C, decltype(head)::value>(p, plan, ws, stream);
+  });
 }
 
-// Calls fn(head-size constant) for a supported head size.
-template <typename Fn>
-auto with_head_size(int head_size, Fn&& fn) {
-  switch (head_size) {
-    case 64: return fn(std::integral_constant<int, 64>{});
-    case 80: return fn(std::integral_constant<int, 80>{});
-    case 96: return fn(std::integral_constant<int, 96>{});
-    case 128: return fn(std::integral_constant<int, 128>{});
-    case 192: return fn(std::integral_constant<int, 192>{});
-    default: return fn(std::integral_constant<int, 256>{});  // the bindings admit no other size
-  }
+// The occupancy estimate assumes a typical block-table slice; launches size it from the plan.
+template <DType C>
+int resident_ctas(int head_size) {
+  return dispatch<kCudaHeadSizes>(head_size, 0, [](auto head) {
+    using Stg = Staging<C, decltype(head)::value>;
+    return cuda::resident_ctas(reinterpret_cast<const void*>(decode_kernel<C, decltype(head)::value>), kThreads,
+                               Stg::kPagesOffset + kMaxPages * 4, Stg::kPagesOffset + Stg::kTypicalPagesBytes);
+  });
 }
 
-template <CacheKind C>
-cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws, cudaStream_t stream) {
-  return with_head_size(p.head_size, [&](auto head) { return launch_head<C, decltype(head)::value>(p, plan, ws, stream); });
-}
-
-template <CacheKind C>
-int prepare(int head_size) {
-  return with_head_size(head_size, [](auto head) { return prepare_head<C, decltype(head)::value>(); });
-}
-
-#define FP8KV_INSTANTIATE_ATTENTION(KIND)                                                                      \
-  template cudaError_t launch<KIND>(const PagedAttentionParams&, const AttentionPlan&, SplitWorkspace, cudaStream_t); \
-  template int prepare<KIND>(int);
-
-}  // namespace fp8kv::cuda::attention
+}  // namespace fp8kv::cuda::decode

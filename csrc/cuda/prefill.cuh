@@ -5,19 +5,17 @@
 #include <algorithm>
 #include <climits>
 
-#include "paged_attention_kernel.cuh"
+#include "attention_io.cuh"
+#include "launch.h"
 
 namespace fp8kv::cuda::prefill {
-
-using attention::kRescaleSlack;
-
 
 // Shared-memory geometry. K and V tiles are read by the tensor cores as 16-bit rows of D
 // elements, 16-byte chunk c of row r stored at chunk c ^ (r % 8) (conflict-free ldmatrix); rows are
 // padded to a multiple of 8 chunks so the swizzle stays inside the row. FP8 tiles land raw
 // (row-major, D bytes per row) in a ring of stages and are converted into one operand buffer;
 // 16-bit tiles land directly in operand layout, one operand buffer per stage.
-template <CacheKind C, int D, int kStageCount = kShallowStages>
+template <DType C, int D, int kStageCount = kShallowStages>
 struct Tile {
   static constexpr bool kFp8 = CacheTraits<C>::kIsFp8;
   static constexpr int kKeys = D <= 128 ? 64 : 32;  // keys per tile (bounds registers at D = 256)
@@ -117,11 +115,9 @@ __device__ __forceinline__ bool plan_prefill_cta(const PagedAttentionParams& p, 
   // Clamped to the table's capacity so that unchecked (non-debug) input never reads past it.
   const int seq_len = min(__ldg(p.seq_lens + w.seq), p.max_blocks_per_seq * p.block_size);
   const int split_lo = split * split_tokens, split_hi = split_lo + split_tokens;
-  // Causal: token j of q_len sits at position seq_len - q_len + j and sees positions up to it.
-  auto token_hi = [&](int j) { return seq_len - q_len + j + 1; };
-  auto token_lo = [&](int j) { return p.sliding_window > 0 ? max(0, token_hi(j) - p.sliding_window) : 0; };
-  w.lo = max(token_lo(j0), split_lo);
-  w.hi = min(token_hi(j0 + tokens - 1), split_hi);
+  auto keys = [&](int j) { return visible_keys(seq_len, q_len, j, p.sliding_window); };
+  w.lo = max(keys(j0).begin, split_lo);
+  w.hi = min(keys(j0 + tokens - 1).end, split_hi);
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   w.shared_rows = tokens * map.heads_per_tile <= kWarpRows;
@@ -135,8 +131,8 @@ __device__ __forceinline__ bool plan_prefill_cta(const PagedAttentionParams& p, 
                        head_in_group < group && first_token + j < p.num_query_tokens;
     rows.query_row[r] = valid ? first_token + j : -1;
     rows.head[r] = w.kv_head * group + head_in_group;
-    rows.lo[r] = valid ? max(token_lo(j), w.lo) : 0;
-    rows.hi[r] = valid ? min(token_hi(j), w.hi) : 0;
+    rows.lo[r] = valid ? max(keys(j).begin, w.lo) : 0;
+    rows.hi[r] = valid ? min(keys(j).end, w.hi) : 0;
     if (valid) {
       lo_min = min(lo_min, rows.lo[r]), hi_max = max(hi_max, rows.hi[r]);
       lo_max = max(lo_max, rows.lo[r]), hi_min = min(hi_min, rows.hi[r]);
@@ -151,7 +147,7 @@ __device__ __forceinline__ bool plan_prefill_cta(const PagedAttentionParams& p, 
 
 // Issues the cp.async copies of the K and V rows of tile [tile_start, tile_start + kKeys) into a
 // stage. Positions outside [w.lo, w.hi) and pages outside [0, num_blocks) are zero-filled, never read.
-template <CacheKind C, int D>
+template <DType C, int D>
 __device__ __forceinline__ void stage_tile(const PagedAttentionParams& p, const PrefillWork& w,
                                            const int32_t* table_row, int tile_start, uint8_t* stage) {
   using T = Tile<C, D>;
@@ -192,15 +188,15 @@ __device__ __forceinline__ void stage_tile(const PagedAttentionParams& p, const 
 
 // FP8 stage -> 16-bit operands, by the whole CTA. V's rows follow K's in both buffers, so the
 // tile is 2 * kKeys rows: each thread converts 8-byte runs (8 values) of rows it strides over.
-template <CacheKind C, int D>
+template <DType C, int D>
 __device__ __forceinline__ void convert_tile(const uint8_t* stage, uint8_t* operands) {
   using T = Tile<C, D>;
   constexpr int kRuns = 2 * T::kKeys * T::kChunks;
   auto convert_run = [&](unsigned row, unsigned chunk) {
     const uint2 raw = *reinterpret_cast<const uint2*>(stage + row * D + chunk * 8);
     uint4 half;
-    fp8x4_to_half2x2<C>(raw.x, half.x, half.y);
-    fp8x4_to_half2x2<C>(raw.y, half.z, half.w);
+    convert_fp8x4<C>(raw.x, half.x, half.y);
+    convert_fp8x4<C>(raw.y, half.z, half.w);
     *reinterpret_cast<uint4*>(operands + operand_offset<T::kRowBytes>(row, chunk)) = half;
   };
   if constexpr (kThreads % T::kChunks == 0) {
@@ -215,13 +211,10 @@ __device__ __forceinline__ void convert_tile(const uint8_t* stage, uint8_t* oper
   }
 }
 
-// One warp's online-softmax state and output accumulator for its 16 rows (lane: rows g, g + 8).
+// One warp's online-softmax state for its 16 rows (lane: rows g, g + 8), its accumulators the O
+// fragments [dim n-tile][c0..c3].
 template <int D>
-struct WarpState {
-  float acc[D / 8][4];  // O fragments: [dim n-tile][c0..c3]
-  float row_max[2];     // running max of log2-domain logits (uniform across the row's 4 lanes)
-  float row_sum[2];     // this lane's share of the softmax denominator
-};
+using WarpState = OnlineSoftmax<D / 8>;
 
 // S = Q K^T, softmax update and O += P V for one tile, by one warp.
 // Runs load(i, fragment) kDepth - 1 items ahead of use(i, fragment), so that shared-memory
@@ -241,7 +234,7 @@ __device__ __forceinline__ void pipelined(Load&& load, Use&& use) {
 
 // kKeys: the keys this warp attends to (the whole tile, or its slice with shared rows), starting at
 // key_smem / value_smem and at cache position tile_start.
-template <CacheKind C, int D, int kKeys>
+template <DType C, int D, int kKeys>
 __device__ __forceinline__ void attend_tile(const uint32_t (&q_frag)[D / 16][4], uint32_t key_smem, uint32_t value_smem,
                                             WarpState<D>& st, const LaneRows& rows, int tile_start, bool interior,
                                             float logit_multiplier, float soft_cap) {
@@ -275,7 +268,7 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&q_frag)[D / 16][4],
   for (int j = 0; j < kKeyTiles; ++j) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float x = attention::soft_capped(s[j][i] * logit_multiplier, soft_cap);
+      float x = soft_capped(s[j][i] * logit_multiplier, soft_cap);
       if (!interior) {
         const int pos = tile_start + 8 * j + 2 * t + i % 2;
         if (!(pos >= rows.lo[i / 2] && pos < rows.hi[i / 2])) x = -INFINITY;
@@ -382,51 +375,30 @@ __device__ __forceinline__ bool merge_warps(WarpState<D>& st, uint8_t* smem) {
   return true;
 }
 
-template <CacheKind C, int D, int kStages>
-__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, kStages))
-    prefill_attention_kernel(const PagedAttentionParams p, SplitWorkspace ws, int split_tokens) {
-  using T = Tile<C, D, kStages>;
-  constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
-  const int t = threadIdx.x % 4, warp = threadIdx.x / 32;
-  const int split = blockIdx.y;
-
-  PrefillWork w;
-  LaneRows rows;
-  if (!plan_prefill_cta(p, split, split_tokens, w, rows)) return;
-
-  // Q fragments (A of S = Q K^T): rows g, g + 8; k-step `step` holds dims 16 step + 2t (+1) and + 8.
-  uint32_t q_frag[D / 16][4];
-  const bool query_bf16 = p.query_dtype == DType::kBFloat16;
+// Q fragments (A of S = Q K^T): rows g, g + 8; k-step `step` holds dims 16 step + 2t (+1) and + 8.
+template <DType C, int D>
+__device__ __forceinline__ void load_query(const PagedAttentionParams& p, const LaneRows& rows, int t, bool query_bf16,
+                                           uint32_t (&q_frag)[D / 16][4]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const auto* q = static_cast<const uint8_t*>(p.query) +
-                    (rows.query_row[r] * p.query_token_stride + static_cast<int64_t>(rows.head[r]) * p.query_head_stride) * 2;
+    const QueryRow<CacheTraits<C>::kBf16Math> q(p, rows.query_row[r], rows.head[r], query_bf16);
 #pragma unroll
     for (int step = 0; step < D / 16; ++step) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        uint32_t packed = 0u;
-        if (rows.query_row[r] >= 0) {
-          const float2 x = load_pair_as_float2(q + (16 * step + 8 * half + 2 * t) * 2, query_bf16);
-          packed = pack_pair<kBf16>(x.x, x.y);
-        }
-        q_frag[step][2 * half + r] = packed;
-      }
+      for (int half = 0; half < 2; ++half) q_frag[step][2 * half + r] = q.pair(16 * step + 8 * half + 2 * t);
     }
   }
+}
 
-  constexpr bool kFp8 = T::kFp8;
-  const float multiplier = attention::logit_multiplier<C>(p, w.kv_head);
+// The main loop: the CTA stages the tiles of [w.lo, w.hi) through a ring of kStages (kStages - 1 in
+// flight), FP8 tiles converted to 16-bit operands once per CTA; each warp attends to the tile's keys
+// its rows see, into st.
+template <DType C, int D, int kStages>
+__device__ __forceinline__ void attend_cta(const PagedAttentionParams& p, const PrefillWork& w, const LaneRows& rows,
+                                           const uint32_t (&q_frag)[D / 16][4], float multiplier, int warp,
+                                           uint8_t* smem, WarpState<D>& st) {
+  using T = Tile<C, D, kStages>;
   const float soft_cap = p.logits_soft_cap;
-
-  WarpState<D> st;
-#pragma unroll
-  for (int n = 0; n < D / 8; ++n) st.acc[n][0] = st.acc[n][1] = st.acc[n][2] = st.acc[n][3] = 0.f;
-  st.row_max[0] = st.row_max[1] = -INFINITY;
-  st.row_sum[0] = st.row_sum[1] = 0.f;
-
-  extern __shared__ __align__(128) uint8_t prefill_smem[];
-  uint8_t* smem = prefill_smem;
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   uint8_t* operands = smem + T::kStages * T::kStageBytes;  // FP8 only
   const int32_t* table_row = p.block_tables + w.seq * p.block_table_stride;
@@ -450,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, kStages))
     }
     copy_async_commit();
     uint32_t key_smem;
-    if constexpr (kFp8) {
+    if constexpr (T::kFp8) {
       convert_tile<C, D>(smem + (k % T::kStages) * T::kStageBytes, operands);
       __syncthreads();
       key_smem = smem_base + T::kStages * T::kStageBytes;
@@ -475,6 +447,45 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, kStages))
     }
   }
   copy_async_wait<0>();
+}
+
+// Writes the lane's rows g and g + 8 (see write_row): dims 8n + 2t, 8n + 2t + 1 of each n-tile.
+template <DType C, int D>
+__device__ __forceinline__ void write_rows(const PagedAttentionParams& p, const SplitWorkspace& ws, int split,
+                                           const PrefillWork& w, const LaneRows& rows, int t, bool out_bf16,
+                                           const WarpState<D>& st) {
+  const float v_scale = output_scale<C>(p, w.kv_head);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (rows.query_row[h] < 0) continue;
+    write_row<D>(p, ws, split, rows.query_row[h], rows.head[h], out_bf16, v_scale, st.row_max[h], st.row_sum[h], t == 0,
+                 [&](auto store) {
+#pragma unroll
+                   for (int n = 0; n < D / 8; ++n) store(8 * n + 2 * t, st.acc[n][2 * h], st.acc[n][2 * h + 1]);
+                 });
+  }
+}
+
+// Unlike the decode kernel, it does not let the merge start early (allow_dependent_grid): that moves
+// its parameter loads and costs main-loop instructions; the merge then starts when the grid ends.
+template <DType C, int D, int kStages>
+__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, kStages))
+    prefill_kernel(const PagedAttentionParams p, SplitWorkspace ws, int split_tokens) {
+  const int t = threadIdx.x % 4, warp = threadIdx.x / 32;
+  const int split = blockIdx.y;
+
+  PrefillWork w;
+  LaneRows rows;
+  if (!plan_prefill_cta(p, split, split_tokens, w, rows)) return;
+  const bool query_bf16 = p.query_dtype == DType::kBFloat16;  // also the output's
+  uint32_t q_frag[D / 16][4];
+  load_query<C, D>(p, rows, t, query_bf16, q_frag);
+  const float multiplier = logit_multiplier<C>(p, w.kv_head);
+
+  WarpState<D> st;
+
+  extern __shared__ __align__(128) uint8_t prefill_smem[];
+  attend_cta<C, D, kStages>(p, w, rows, q_frag, multiplier, warp, prefill_smem, st);
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -483,90 +494,49 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, kStages))
   }
   if (w.shared_rows) {
     __syncthreads();  // every warp is done with the tiles: reuse their shared memory for the merge
-    if (!merge_warps<D>(st, smem)) return;
+    if (!merge_warps<D>(st, prefill_smem)) return;
   }
-  const float v_scale = attention::output_scale<C>(p, w.kv_head);
-  const bool out_bf16 = query_bf16;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    if (rows.query_row[h] < 0) continue;
-    const int64_t out_index = rows.query_row[h] * static_cast<int64_t>(p.num_heads) + rows.head[h];
-    if (ws.num_splits == 1) {
-      const float norm = st.row_sum[h] > 0.f ? v_scale / st.row_sum[h] : 0.f;  // no visible key: zeros
-      auto* out = static_cast<uint8_t*>(p.out) +
-                  (rows.query_row[h] * p.out_token_stride + static_cast<int64_t>(rows.head[h]) * p.out_head_stride) * 2;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        store_pair_from_float2(out + (8 * n + 2 * t) * 2, st.acc[n][2 * h] * norm, st.acc[n][2 * h + 1] * norm,
-                               out_bf16);
-      }
-    } else {
-      // Partials carry the value scale: the merge is then a plain log-sum-exp over splits.
-      const int64_t slot = static_cast<int64_t>(split) * ws.rows + out_index;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) {
-        *reinterpret_cast<float2*>(ws.acc + slot * D + 8 * n + 2 * t) =
-            make_float2(st.acc[n][2 * h] * v_scale, st.acc[n][2 * h + 1] * v_scale);
-      }
-      if (t == 0) ws.row_max[slot] = st.row_max[h], ws.row_sum[slot] = st.row_sum[h];
-    }
-  }
+  write_rows<C, D>(p, ws, split, w, rows, t, query_bf16, st);
 }
 
-template <CacheKind C, int D, int kStages>
-cudaError_t launch_head(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws,
-                        cudaStream_t stream) {
+template <DType C, int D, int kStages>
+cudaError_t launch_variant(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
+                           cudaStream_t stream) {
   const RowMap map = RowMap::make(p.num_heads / p.num_kv_heads);
   const dim3 grid(static_cast<unsigned>(plan.row_chunks), static_cast<unsigned>(plan.num_splits),
                   static_cast<unsigned>(p.num_kv_heads * map.head_chunks));
-  prefill_attention_kernel<C, D, kStages>
-      <<<grid, kThreads, Tile<C, D, kStages>::kSmemBytes, stream>>>(p, ws, plan.split_tokens);
-  if (plan.num_splits > 1) {
-    attention::merge_splits_kernel<D><<<static_cast<unsigned>(ws.rows), attention::kMergeThreads, 0, stream>>>(p, ws);
-  }
-  return cudaGetLastError();
+  prefill_kernel<C, D, kStages><<<grid, kThreads, Tile<C, D, kStages>::kSmemBytes, stream>>>(p, ws, plan.split_tokens);
+  const cudaError_t status = cudaGetLastError();
+  return status != cudaSuccess || plan.num_splits == 1 ? status : merge::launch(p, ws, stream);
 }
 
-template <CacheKind C, int D, int kStages>
-int prepare_head() {
-  static const int resident = [] {
-    auto* kernel = prefill_attention_kernel<C, D, kStages>;
-    constexpr int kSmemBytes = Tile<C, D, kStages>::kSmemBytes;
-    int ctas = 0;
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads, kSmemBytes) != cudaSuccess) {
-      return 0;
-    }
-    return ctas;
-  }();
-  return resident;
-}
+inline constexpr int kStagings[] = {kShallowStages, kDeepStages};
 
-// Calls fn(head-size constant, stage-count constant).
-template <typename Fn>
-auto with_variant(int head_size, bool deep_staging, Fn&& fn) {
-  return attention::with_head_size(head_size, [&](auto head) {
-    return deep_staging ? fn(head, std::integral_constant<int, kDeepStages>{})
-                        : fn(head, std::integral_constant<int, kShallowStages>{});
+// fn(head-size constant, stage-count constant); `unsupported` for a head size without a kernel.
+template <typename Result, typename Fn>
+Result dispatch_variant(int head_size, bool deep_staging, Result unsupported, Fn&& fn) {
+  return dispatch<kCudaHeadSizes>(head_size, unsupported, [&](auto head) {
+    return dispatch<kStagings>(deep_staging ? kDeepStages : kShallowStages, unsupported,
+                               [&](auto stages) { return fn(head, stages); });
   });
 }
 
-template <CacheKind C>
-cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, SplitWorkspace ws, cudaStream_t stream) {
-  return with_variant(p.head_size, plan.deep_staging, [&](auto head, auto stages) {
-    return launch_head<C, decltype(head)::value, decltype(stages)::value>(p, plan, ws, stream);
+template <DType C>
+cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
+                   cudaStream_t stream) {
+  return dispatch_variant(p.head_size, plan.deep_staging, cudaErrorInvalidValue, [&](auto head, auto stages) {
+    return launch_variant<C, decltype(head)::value, decltype(stages)::value>(p, plan, ws, stream);
   });
 }
 
-template <CacheKind C>
-int prepare(int head_size, bool deep_staging) {
-  return with_variant(head_size, deep_staging, [](auto head, auto stages) {
-    return prepare_head<C, decltype(head)::value, decltype(stages)::value>();
+template <DType C>
+int resident_ctas(int head_size, bool deep_staging) {
+  return dispatch_variant(head_size, deep_staging, 0, [](auto head, auto stages) {
+    constexpr int kSmemBytes = Tile<C, decltype(head)::value, decltype(stages)::value>::kSmemBytes;
+    return cuda::resident_ctas(
+        reinterpret_cast<const void*>(prefill_kernel<C, decltype(head)::value, decltype(stages)::value>), kThreads,
+        kSmemBytes, kSmemBytes);
   });
 }
-
-#define FP8KV_INSTANTIATE_PREFILL(KIND)                                                                       \
-  template cudaError_t launch<KIND>(const PagedAttentionParams&, const AttentionPlan&, SplitWorkspace, cudaStream_t); \
-  template int prepare<KIND>(int, bool);
 
 }  // namespace fp8kv::cuda::prefill

@@ -1,5 +1,5 @@
-// Small device helpers shared by the CUDA kernels: vector loads, tensor-core fragments, FP8 pair
-// conversion, element types.
+// Device building blocks shared by the CUDA kernels: loads and asynchronous copies, dependent
+// launch, tensor-core fragments, FP8 conversion, cache element types.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "../dispatch.h"
 #include "../fp8.h"
 #include "../kernel_params.h"
 
@@ -126,10 +127,6 @@ __device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
   return r;
 }
 
-__device__ __forceinline__ uint32_t byte_perm(uint32_t a, uint32_t b, uint32_t selector) {
-  return __byte_perm(a, b, selector);
-}
-
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -138,66 +135,33 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // ---- element types ---------------------------------------------------------------------------
 
-enum class CacheKind { kE4M3FN, kE5M2, kE4M3FNUZ, kFloat16, kBFloat16 };
-
-template <CacheKind C>
+template <DType C>
 struct CacheTraits {
-  static constexpr bool kIsFp8 = C == CacheKind::kE4M3FN || C == CacheKind::kE5M2 || C == CacheKind::kE4M3FNUZ;
-  static constexpr int kElemBytes = kIsFp8 ? 1 : 2;
+  static constexpr bool kIsFp8 = is_fp8(C);
+  static constexpr int kElemBytes = dtype_bytes(C);
   // Tensor-core operand type: fp16 for FP8 caches (every FP8 value is exact in fp16).
-  static constexpr bool kBf16Math = C == CacheKind::kBFloat16;
+  static constexpr bool kBf16Math = C == DType::kBFloat16;
 };
 
-// Converts the FP8 bytes (b0, b1) and (b2, b3) of `w` into two fp16 pairs holding the values times
-// fp8_decode_factor<C>() (folded into the scales by the caller).
-template <CacheKind C>
-__device__ __forceinline__ void fp8x4_to_half2x2(uint32_t w, uint32_t& lo, uint32_t& hi);
-
-// The power of two by which fp8x4_to_half2x2 divides the FP8 values (1 where conversion is exact).
-template <CacheKind C>
+// The power of two by which convert_fp8x4 divides the FP8 values (1 where conversion is exact).
+template <DType C>
 __device__ __forceinline__ float fp8_decode_factor() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  if constexpr (C == CacheKind::kE4M3FN || C == CacheKind::kE5M2) return 1.0f;
+  if constexpr (C == DType::kFloat8E4M3FN || C == DType::kFloat8E5M2) return 1.0f;
 #endif
-  if constexpr (C == CacheKind::kE4M3FN) return 256.0f;   // bias 7 read with fp16's bias 15
-  if constexpr (C == CacheKind::kE4M3FNUZ) return 128.0f;  // bias 8 read with fp16's bias 15
-  return 1.0f;                                             // e5m2 is the top byte of an fp16
+  return fp8_half_scale<C>();
 }
 
-namespace detail {
-
-// Nonzero iff some byte of v is zero.
-__device__ __forceinline__ uint32_t has_zero_byte(uint32_t v) { return (v - 0x01010101u) & ~v & 0x80808080u; }
-
-// fp16 bits of sign | (magnitude << 7): the e4m3 value times 2^(bias - 15).
-__device__ __forceinline__ void e4m3_bits_to_half2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  const uint32_t x0 = byte_perm(w, 0u, 0x1404u);  // [0, b0, 0, b1]
-  const uint32_t x1 = byte_perm(w, 0u, 0x3424u);  // [0, b2, 0, b3]
-  lo = (x0 & 0x80008000u) | ((x0 >> 1) & 0x3F803F80u);
-  hi = (x1 & 0x80008000u) | ((x1 >> 1) & 0x3F803F80u);
-}
-
-template <CacheKind C>
-__device__ __noinline__ void patch_nan_codes(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  uint32_t halves[2] = {lo, hi};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t code = (w >> (8 * i)) & 0xFFu;
-    const bool nan = C == CacheKind::kE4M3FNUZ ? code == 0x80u : (code & 0x7Fu) == 0x7Fu;
-    if (nan) halves[i / 2] |= 0x7E00u << (16 * (i % 2));
-  }
-  lo = halves[0], hi = halves[1];
-}
-
-}  // namespace detail
-
-template <CacheKind C>
-__device__ __forceinline__ void fp8x4_to_half2x2(uint32_t w, uint32_t& lo, uint32_t& hi) {
+// Converts the FP8 bytes (b0, b1) and (b2, b3) of `w` into two fp16 pairs holding the values divided
+// by fp8_decode_factor<C>() (folded into the scales by the caller): the hardware conversion on sm_89+
+// where it exists, else the shared bit move.
+template <DType C>
+__device__ __forceinline__ void convert_fp8x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
   static_assert(CacheTraits<C>::kIsFp8, "FP8 caches only");
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  if constexpr (C == CacheKind::kE4M3FN || C == CacheKind::kE5M2) {
+  if constexpr (C == DType::kFloat8E4M3FN || C == DType::kFloat8E5M2) {
     const uint16_t w0 = static_cast<uint16_t>(w), w1 = static_cast<uint16_t>(w >> 16);
-    if constexpr (C == CacheKind::kE4M3FN) {
+    if constexpr (C == DType::kFloat8E4M3FN) {
       asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(lo) : "h"(w0));
       asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(hi) : "h"(w1));
     } else {
@@ -207,15 +171,7 @@ __device__ __forceinline__ void fp8x4_to_half2x2(uint32_t w, uint32_t& lo, uint3
     return;
   }
 #endif
-  if constexpr (C == CacheKind::kE5M2) {
-    lo = byte_perm(w, 0u, 0x1404u);
-    hi = byte_perm(w, 0u, 0x3424u);
-  } else {
-    detail::e4m3_bits_to_half2x2(w, lo, hi);
-    // NaN codes (0x80 in fnuz; 0x7F/0xFF in e4m3fn) would otherwise read as finite values.
-    const uint32_t nan_probe = C == CacheKind::kE4M3FNUZ ? (w ^ 0x80808080u) : ((w & 0x7F7F7F7Fu) ^ 0x7F7F7F7Fu);
-    if (detail::has_zero_byte(nan_probe)) detail::patch_nan_codes<C>(w, lo, hi);
-  }
+  fp8x4_to_half2x2<C>(w, lo, hi);
 }
 
 // Query / output element type, chosen at run time (it is touched once per CTA).

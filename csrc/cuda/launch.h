@@ -1,0 +1,40 @@
+// Host-side pieces shared by the CUDA paged-attention launchers (paged_attention.cu and the
+// per-format kernel files): the kernels' launch entry points, the merge launch, and per-device
+// occupancy.
+#pragma once
+
+#include "tiles.h"
+
+namespace fp8kv::cuda {
+
+// Raises `kernel`'s dynamic shared-memory limit to max_smem_bytes on the current device and returns
+// its resident CTAs per SM with smem_bytes of dynamic shared memory (0 on error); computed once per
+// (kernel, device).
+int resident_ctas(const void* kernel, int threads, int max_smem_bytes, int smem_bytes);
+
+namespace merge {
+// Merges the splits of ws into p.out (merge.cu): a programmatic dependent launch on sm_90+, so it
+// starts while the attention grid before it finishes once that grid allows it (the decode kernel
+// does); a plain launch elsewhere.
+cudaError_t launch(const PagedAttentionParams& p, const SplitWorkspace& ws, cudaStream_t stream);
+}  // namespace merge
+
+// Defined per cache format in paged_attention_<format>.cu: resident_ctas returns the kernel's
+// resident CTAs per SM on the current device (0 on error or for an unsupported head size).
+namespace decode {
+template <DType C>
+cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
+                   cudaStream_t stream);
+template <DType C>
+int resident_ctas(int head_size);
+}  // namespace decode
+
+namespace prefill {
+template <DType C>
+cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
+                   cudaStream_t stream);
+template <DType C>
+int resident_ctas(int head_size, bool deep_staging);
+}  // namespace prefill
+
+}  // namespace fp8kv::cuda

@@ -1,0 +1,104 @@
+// The split-KV merge shared by the decode and multi-token kernels: combines each (query row, head)'s
+// per-split partial results (attention_io.cuh's write_row) with log-sum-exp weights in fp32.
+#include "device.cuh"
+#include "launch.h"
+
+namespace fp8kv::cuda::merge {
+namespace {
+
+// One CTA per row: thread s weighs split s (num_splits <= kMaxSplits); then each group of D/4 threads
+// sums a share of the splits as float4 vectors (independent loads, all in flight at once), and the
+// groups' sums are added through shared memory.
+template <int D>
+__global__ void __launch_bounds__(kThreads) merge_splits_kernel(const PagedAttentionParams p, SplitWorkspace ws) {
+  constexpr int kVectors = D / 4;
+  constexpr int kGroups = kThreads / kVectors;
+  __shared__ float weights[kMaxSplits];
+  __shared__ float partial[2][kThreads / 32];
+  __shared__ float group_sums[kGroups][D];
+  wait_for_previous_grid();
+  const int64_t row = blockIdx.x;  // query_row * num_heads + head
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int s = threadIdx.x;
+  // Every split writes its row's max and sum (sum 0: no keys), so both load at once.
+  const float split_sum = s < ws.num_splits ? ws.row_sum[s * ws.rows + row] : 0.f;
+  const float split_max = s < ws.num_splits ? ws.row_max[s * ws.rows + row] : -INFINITY;
+  const bool has_split = split_sum > 0.f;
+  float max_all = has_split ? split_max : -INFINITY;
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) max_all = fmaxf(max_all, __shfl_xor_sync(0xffffffffu, max_all, mask));
+  if (lane == 0) partial[0][warp] = max_all;
+  __syncthreads();
+  max_all = partial[0][0];
+#pragma unroll
+  for (int x = 1; x < kThreads / 32; ++x) max_all = fmaxf(max_all, partial[0][x]);
+  const float weight = has_split ? fast_exp2(split_max - max_all) : 0.f;
+  float sum = weight * split_sum;
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
+  if (lane == 0) partial[1][warp] = sum;
+  if (s < ws.num_splits) weights[s] = weight;
+  __syncthreads();
+  sum = 0.f;
+#pragma unroll
+  for (int x = 0; x < kThreads / 32; ++x) sum += partial[1][x];
+  const float norm = sum > 0.f ? 1.f / sum : 0.f;
+
+  const int group = threadIdx.x / kVectors, vector = threadIdx.x % kVectors;
+  if (group < kGroups) {
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8
+    for (int x = group; x < ws.num_splits; x += kGroups) {
+      // Loaded unconditionally so the loads of several splits are in flight together; an empty
+      // split's acc was never written (weight 0): selected away, never multiplied.
+      const float4 a = reinterpret_cast<const float4*>(ws.acc + (x * ws.rows + row) * D)[vector];
+      const float w = weights[x];
+      if (w != 0.f) o.x += w * a.x, o.y += w * a.y, o.z += w * a.z, o.w += w * a.w;
+    }
+    group_sums[group][4 * vector] = o.x, group_sums[group][4 * vector + 1] = o.y;
+    group_sums[group][4 * vector + 2] = o.z, group_sums[group][4 * vector + 3] = o.w;
+  }
+  __syncthreads();
+
+  const int64_t query_row = row / p.num_heads;
+  const int head = static_cast<int>(row % p.num_heads);
+  for (int d = 2 * threadIdx.x; d < D; d += 2 * kThreads) {
+    float o0 = 0.f, o1 = 0.f;
+#pragma unroll
+    for (int x = 0; x < kGroups; ++x) o0 += group_sums[x][d], o1 += group_sums[x][d + 1];
+    auto* out = static_cast<uint8_t*>(p.out) +
+                (query_row * p.out_token_stride + static_cast<int64_t>(head) * p.out_head_stride + d) * 2;
+    store_pair_from_float2(out, o0 * norm, o1 * norm, p.query_dtype == DType::kBFloat16);
+  }
+}
+
+// Compute capability major of the current device (0 on error).
+int compute_capability_major() {
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    return 0;
+  }
+  return major;
+}
+
+}  // namespace
+
+cudaError_t launch(const PagedAttentionParams& p, const SplitWorkspace& ws, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(ws.rows));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute dependent;
+  dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  dependent.val.programmaticStreamSerializationAllowed = 1;
+  if (compute_capability_major() >= 9) {
+    config.attrs = &dependent;
+    config.numAttrs = 1;
+  }
+  return dispatch<kCudaHeadSizes>(p.head_size, cudaErrorInvalidValue, [&](auto head) {
+    return cudaLaunchKernelEx(&config, merge_splits_kernel<decltype(head)::value>, p, ws);
+  });
+}
+
+}  // namespace fp8kv::cuda::merge

@@ -1,0 +1,87 @@
+// Tile geometry and the tuning values chosen for the CUDA paged-attention kernels (decode, prefill,
+// merge), shared by the kernels and the host planner. Each chosen value says why, briefly; the H100
+// measurements behind them: docs/perf_notes.md, docs/cuda_decode_design.md, docs/cuda_prefill_design.md.
+#pragma once
+
+#include <cstdint>
+
+#include "../gpu/kernels.h"
+
+namespace fp8kv::cuda {
+
+using gpu::AttentionPlan;
+
+// Per-split partial results in the workspace (plan.workspace_bytes), fp32, when num_splits > 1.
+struct SplitWorkspace {
+  float* acc;      // [num_splits][rows][head_size], already multiplied by v_scale
+  float* row_max;  // [num_splits][rows], log2 domain
+  float* row_sum;  // [num_splits][rows]; 0 marks a split without keys for the row
+  int64_t rows;    // num_query_tokens * num_heads
+  int num_splits;
+};
+
+// Lazy rescale: P may grow to 2^kRescaleSlack before the running max is moved (exact: numerator and
+// denominator share the max).
+inline constexpr float kRescaleSlack = 8.0f;
+inline constexpr float kLog2e = 1.4426950408889634f;
+// Splitting a short context costs more in the merge than it gains: several tiles per warp per split.
+inline constexpr int64_t kMinSplitTokens = 512;
+
+namespace merge {
+constexpr int kMaxSplits = 256;       // splits one merge CTA handles (one thread per split)
+constexpr int kThreads = kMaxSplits;
+}  // namespace merge
+
+namespace decode {
+constexpr int kWarps = 4;         // 8 warps only helped batch 1; 4 leaves room for 4 CTAs per SM
+constexpr int kMaxStages = 2;     // tiles staged per warp: 3-4 stages fit fewer CTAs per SM and were slower
+constexpr int kMinCtasPerSm = 1;  // no register cap: capping for 5-6 CTAs per SM spilled and was slower
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileTokens = 16;   // keys per tile: the mma's M
+constexpr int kRows = 8;          // query rows per CTA: the mma's N
+constexpr int kTileGroup = kTileTokens * kWarps;  // split_tokens is a multiple of the warps' tiles
+// Block-table entries a CTA stages (caps split_tokens at (kMaxPages - 2) * block_size).
+constexpr int kMaxPages = 2048;
+
+inline int pages_bytes(const AttentionPlan& plan, int block_size) {
+  const int pages = plan.split_tokens / block_size + 2 < kMaxPages ? plan.split_tokens / block_size + 2 : kMaxPages;
+  return (pages * 4 + 15) / 16 * 16;
+}
+}  // namespace decode
+
+namespace prefill {
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kWarpRows = 16;              // query rows per warp: the mma's M
+constexpr int kRows = kWarpRows * kWarps;  // query rows per CTA
+constexpr int kSplitAlign = 64;            // split_tokens is a multiple of every head size's key tile
+// Two stagings of the same kernel. Shallow (2 stages, 3 CTAs per SM where registers allow) keeps
+// the tensor cores busy when CTAs have many rows (prefill); deep (4 stages, 3 tiles in flight,
+// 2 CTAs per SM) keeps enough bytes in flight when they have few (verification, decode rows), as
+// the kernel is then bound by memory.
+constexpr int kShallowStages = 2;
+constexpr int kDeepStages = 4;
+constexpr int min_ctas_per_sm(int head_size, int stages) { return head_size <= 128 && stages == kShallowStages ? 3 : 2; }
+// Deep staging when the average sequence's query rows fit one warp (decided from host shapes).
+inline bool use_deep_staging(int64_t num_query_tokens, int group, int num_seqs) {
+  return num_query_tokens * group <= kWarpRows * static_cast<int64_t>(num_seqs);
+}
+
+// How a CTA's rows map to (query token, query head): the heads of one KV head's group vary
+// fastest, so every K/V tile read from the cache serves all of them.
+struct RowMap {
+  int heads_per_tile;   // min(group, kRows)
+  int head_chunks;      // ceil(group / heads_per_tile)
+  int tokens_per_tile;  // kRows / heads_per_tile
+
+  __host__ __device__ static RowMap make(int group) {
+    RowMap m;
+    m.heads_per_tile = group < kRows ? group : kRows;
+    m.head_chunks = (group + m.heads_per_tile - 1) / m.heads_per_tile;
+    m.tokens_per_tile = kRows / m.heads_per_tile;
+    return m;
+  }
+};
+}  // namespace prefill
+
+}  // namespace fp8kv::cuda
