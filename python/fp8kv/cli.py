@@ -188,19 +188,34 @@ def _uncalibrated_checkpoint(text: str) -> pathlib.Path:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    """The real model's demo where it is installed, else (or with --random-weights) the random-weight one."""
     import torch
 
+    for option in ("batch_size", "prompt_len"):
+        if getattr(args, option) is not None and not args.random_weights:
+            raise CommandError(f"argument --{option.replace('_', '-')}: an option of the random-weight demo (the real "
+                               "model answers fixed questions): add --random-weights", USAGE_ERROR)
     from . import demo
     from .formats import KVCacheDtype
 
-    total = args.prompt_len + args.new_tokens
-    if total > demo.MAX_TOKENS:
-        raise CommandError(f"argument --new-tokens: --prompt-len + --new-tokens is {total}, more than the demo "
-                           f"model's {demo.MAX_TOKENS} positions", USAGE_ERROR)
-    torch.set_num_threads(args.threads)
     fmt = KVCacheDtype.parse(args.kv_cache_dtype or "fp8_e4m3")
-    demo.run(args.device or _default_device(), fmt, batch_size=args.batch_size, prompt_len=args.prompt_len,
-             new_tokens=args.new_tokens)
+    device = args.device or _default_device()
+    checkpoint, why = (None, "--random-weights") if args.random_weights else demo.find_real_model()
+    if checkpoint is not None:
+        try:
+            prepared = demo.prepare_real(checkpoint, args.new_tokens)
+        except ValueError as e:  # the questions and --new-tokens exceed the model's positions
+            raise CommandError(f"argument --new-tokens: {e}", USAGE_ERROR) from e
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        demo.run_real(prepared, device, fmt)
+        return 0
+    batch_size, prompt_len = args.batch_size or demo.RANDOM_BATCH_SIZE, args.prompt_len or demo.RANDOM_PROMPT_LEN
+    if prompt_len + args.new_tokens > demo.MAX_TOKENS:
+        raise CommandError(f"argument --new-tokens: --prompt-len + --new-tokens is {prompt_len + args.new_tokens}, "
+                           f"more than the demo model's {demo.MAX_TOKENS} positions", USAGE_ERROR)
+    torch.set_num_threads(args.threads or 1)
+    demo.run_random(device, fmt, batch_size=batch_size, prompt_len=prompt_len, new_tokens=args.new_tokens, why=why)
     return 0
 
 
@@ -310,16 +325,22 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     device_help = "cpu, cuda or cuda:N (default: cuda when available and fp8kv has its CUDA kernels, else cpu)"
 
-    demo = commands.add_parser("demo", help="generate with a small built-in model on a bf16 and an FP8 cache")
+    demo = commands.add_parser("demo", help="the same model with a bf16 and an FP8 KV cache: answers, perplexity, "
+                               "memory, decode speed (the real SmolLM2 model where installed, else random weights)")
     demo.add_argument("--device", type=_device, help=device_help)
     demo.add_argument("--kv-cache-dtype", choices=[fmt.value for fmt in KVCacheDtype if fmt.is_fp8],
                       help="the FP8 format to compare with bf16 (default: float8_e4m3fn, or float8_e4m3fnuz on GPUs "
                       "whose FP8 is e4m3fnuz)")
-    demo.add_argument("--threads", type=_positive_int, default=1,
-                      help="CPU threads (default 1: the demo model's matmuls are too small to gain from more)")
-    demo.add_argument("--batch-size", type=_positive_int, default=4, help="sequences (default 4)")
-    demo.add_argument("--prompt-len", type=_positive_int, default=64, help="prompt tokens (default 64)")
-    demo.add_argument("--new-tokens", type=_positive_int, default=48, help="generated tokens (default 48)")
+    demo.add_argument("--random-weights", action="store_true",
+                      help="run the small random-weight model even where the real model is installed")
+    demo.add_argument("--threads", type=_positive_int, help="CPU threads (default: torch's for the real model; 1 "
+                      "for the random-weight model, whose matmuls are too small to gain from more)")
+    demo.add_argument("--new-tokens", type=_positive_int, default=48,
+                      help="tokens generated per answer or sequence (default 48)")
+    demo.add_argument("--batch-size", type=_positive_int,
+                      help="random-weight demo: sequences (default 4)")
+    demo.add_argument("--prompt-len", type=_positive_int,
+                      help="random-weight demo: prompt tokens (default 64)")
     demo.set_defaults(run=_demo, parser=demo)
 
     inspect = commands.add_parser("inspect", help="show a checkpoint's KV cache scales and every problem with them")
