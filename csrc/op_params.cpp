@@ -418,8 +418,8 @@ void check_paged_attention_indices(const at::Tensor& block_tables_any_device, co
     TORCH_CHECK(seq_len >= q_len || (cu == nullptr && seq_len == 0), op, ": sequence ", s, " has ", q_len,
                 " query rows but `seq_lens`[", s, "] = ", seq_len, " cached tokens; the queried tokens must be cached");
     if (seq_len == 0) continue;
-    int64_t first_position = 0;
-    if (sliding_window > 0) first_position = std::max<int64_t>(0, seq_len - q_len - sliding_window + 1);
+    // The first query row sees the earliest keys; the blocks from there to the last cached token are read.
+    const int64_t first_position = visible_keys<int64_t>(seq_len, q_len, 0, sliding_window).begin;
     const int32_t* row = block_tables.data_ptr<int32_t>() + s * block_tables.stride(0);
     for (int64_t b = first_position / block_size; b <= (seq_len - 1) / block_size; ++b) {
       TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, op, ": `block_tables`[", s, ", ", b, "] = ", row[b],
