@@ -118,12 +118,13 @@ def _generate(model, prompt, config: KVCacheConfig | None, new_tokens: int, labe
     processors = [_TeacherForcing(force, prompt.shape[1])] if force is not None else []
     progress = _Progress(new_tokens, label and f"{label:>24}")
     lengths = {} if until_eos else dict(min_new_tokens=new_tokens)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(prompt)
     _synchronize(prompt.device)
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt) if attention_mask is None else attention_mask,
-                             past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=pad_token_id, streamer=progress, output_logits=True,
+        out = model.generate(prompt, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=pad_token_id, streamer=progress, output_logits=True,
                              return_dict_in_generate=True, logits_processor=LogitsProcessorList(processors), **lengths)
     enable(model)
     return Generation(out.sequences, torch.stack(out.logits).float(),
@@ -222,7 +223,8 @@ def prepare_real(checkpoint, new_tokens: int) -> RealDemo:
     return RealDemo(pathlib.Path(checkpoint), tokenizer, dict(questions), new_tokens)
 
 
-def run_real(demo: RealDemo, device: torch.device, fmt: KVCacheDtype, *, evaluation_windows: tuple[int, int] | None = None,
+def run_real(demo: RealDemo, device: torch.device, fmt: KVCacheDtype, *,
+             evaluation_windows: tuple[int, int] | None = None,
              decode_speed: DecodeSpeedShape | None = DecodeSpeedShape(), progress: bool = True) -> None:
     """Prints the four sections of the real-model demo (see the module docstring).
 
@@ -305,12 +307,14 @@ def _perplexity_section(model, demo: RealDemo, text_ids: list[int], configs: dic
     device = next(model.parameters()).device
     result = evaluate_model(model, token_windows(text_ids, seq_len, count, demo.tokenizer.bos_token_id), configs,
                             progress=progress, setup={"model": REAL_MODEL, "device": _device_name(device)})
+    bf16, fp8 = (result.cache(name) for name in configs)
     return "\n".join([
         "", "2. Perplexity of real text (the license texts of /usr/share/common-licenses) with each cache, against the "
         "model's own attention (fp8kv.evaluate; KL and top-1 against the model's next-token distribution):",
         result.table(),
-        f"A sample of {result.tokens} predicted tokens: differences of about 1% are noise at this size "
-        "(docs/accuracy.md has longer runs)."])
+        f"{fp8.name} against the bf16 cache: perplexity {fp8.perplexity / bf16.perplexity - 1:+.2%}, KL {fp8.kl:.1e} "
+        f"against {bf16.kl:.1e} (the bf16 cache's own rounding). A sample of {result.tokens} predicted tokens: "
+        "perplexity differences of about 1% are noise at this size (docs/accuracy.md has longer runs)."])
 
 
 def _memory_section(model, fmt: KVCacheDtype, answers: dict[str, Generation]) -> str:
