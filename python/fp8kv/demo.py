@@ -139,7 +139,8 @@ def _synchronize(device: torch.device) -> None:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU ({torch.get_num_threads()} threads, {os.cpu_count()} cores)"
+    threads = torch.get_num_threads()
+    return f"CPU ({threads} thread{'s' * (threads != 1)}, {os.cpu_count()} cores)"
 
 
 def _capacity_lines(fmt: KVCacheDtype, geometries: dict[str, dict]) -> list[str]:
