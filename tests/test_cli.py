@@ -54,7 +54,7 @@ def snapshot(directory) -> dict:
     (["--batch-size", "-1"], "--batch-size", "expected a positive integer, got '-1'"),
     (["--prompt-len", "0"], "--prompt-len", "expected a positive integer"),
     (["--new-tokens", "1.5"], "--new-tokens", "expected a positive integer"),
-    (["--prompt-len", "4000", "--new-tokens", "97"], "--new-tokens", "is 4097, more than the demo model's 4096"),
+    (["--random-weights", "--prompt-len", "4000", "--new-tokens", "97"], "--new-tokens", "is 4097, more than the demo model's 4096"),
     (["--kv-cache-dtype", "auto"], "--kv-cache-dtype", "invalid choice: 'auto'"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype", "invalid choice: 'fp8'"),
     (["--device", "tpu"], "--device", "expected cpu, cuda or cuda:N, got 'tpu'"),

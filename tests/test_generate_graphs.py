@@ -182,12 +182,13 @@ def test_compiled_decode_gives_eager_tokens_and_compiles_once(kind, backend, fre
     another = PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=128, compileable=True)
     assert torch.equal(run(model, ids, mask, another, compiled=config)[0], eager_tokens)
     assert graphs_compiled() == 1, "a reset cache, or another one, of the same batch size reuses the graph"
-    if backend == "aot_eager":  # without padding generate passes no mask: a second graph
+    if backend == "aot_eager":  # without padding generate may pass no mask: at most one more graph
         unpadded = ids[:1, :] if kind == "qwen2" else ids[:, 3:]
         eager_tokens, _ = run(model, unpadded, None, cache, compiled=None)
         tokens, _ = run(model, unpadded, None, cache, compiled=config)
         assert torch.equal(tokens, eager_tokens)
-        assert graphs_compiled() == 2
+        # transformers 5.17 reuses the masked graph for some models where newer releases trace a second one.
+        assert graphs_compiled() <= 2, "the unpadded decode compiles at most once more, not once per step"
 
 
 def test_compiled_decode_past_capacity_raises(fresh_dynamo):

@@ -301,7 +301,7 @@ def test_cache_config_must_be_a_kv_cache_config():
 def test_demo_runs_and_reports(capsys):
     from fp8kv.cli import main
 
-    assert main(["demo", "--device", "cpu", "--batch-size", "2", "--prompt-len", "16", "--new-tokens", "4"]) == 0
+    assert main(["demo", "--random-weights", "--device", "cpu", "--batch-size", "2", "--prompt-len", "16", "--new-tokens", "4"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if "KV bytes" in line)
