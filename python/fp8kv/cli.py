@@ -204,7 +204,7 @@ def _demo(args: argparse.Namespace) -> int:
     if checkpoint is not None:
         try:
             prepared = demo.prepare_real(checkpoint, args.new_tokens)
-        except ValueError as e:  # the questions and --new-tokens exceed the model's positions
+        except demo.TooManyTokens as e:
             raise CommandError(f"argument --new-tokens: {e}", USAGE_ERROR) from e
         if args.threads is not None:
             torch.set_num_threads(args.threads)

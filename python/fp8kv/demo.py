@@ -207,19 +207,25 @@ def find_real_model() -> tuple[pathlib.Path | None, str | None]:
         return None, str(e)
 
 
+class TooManyTokens(ValueError):
+    """The questions and the new tokens do not fit the model's positions."""
+
+
 def prepare_real(checkpoint, new_tokens: int) -> RealDemo:
-    """Tokenizes the questions. Raises ValueError when the longest question and `new_tokens` exceed
+    """Tokenizes the questions. Raises TooManyTokens when the longest question and `new_tokens` exceed
     the model's positions."""
     from transformers import AutoConfig, AutoTokenizer
 
     positions = AutoConfig.from_pretrained(checkpoint).max_position_embeddings
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, padding_side="left")
+    if tokenizer.pad_token is None:  # some transformers releases convert the GGUF without one; left
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out, so any id fills it
     questions = tokenizer.apply_chat_template([[{"role": "user", "content": q}] for q in QUESTIONS],
                                               add_generation_prompt=True, padding=True, return_tensors="pt",
                                               return_dict=True)
     length = questions["input_ids"].shape[1]
     if length + new_tokens > positions:
-        raise ValueError(f"the longest question takes {length} tokens with the chat template; {length} + {new_tokens} "
+        raise TooManyTokens(f"the longest question takes {length} tokens with the chat template; {length} + {new_tokens} "
                          f"is more than {REAL_MODEL}'s {positions} positions")
     return RealDemo(pathlib.Path(checkpoint), tokenizer, dict(questions), new_tokens)
 
