@@ -3,7 +3,8 @@ converted once into a cached transformers checkpoint) on the license texts of
 /usr/share/common-licenses. Skipped without the `real-model` extra.
 
 One window of 128 tokens keeps the CPU time to about a minute (plus the one-time conversion);
-`python -m fp8kv evaluate` measures longer texts (docs/accuracy.md).
+`python -m fp8kv evaluate` measures longer texts (docs/accuracy.md). The evaluation runs on the CPU
+and, marked gpu, on CUDA (the model on the GPU, fp8kv's CUDA kernels), with the same bounds.
 """
 
 import json
@@ -49,9 +50,13 @@ def configs(model, window):
     return ev.kv_cache_configs(model, window, ["e4m3", "e4m3-head"], progress=False)
 
 
-@pytest.fixture(scope="module")
-def result(model, window, configs):
-    return ev.evaluate_model(model, window, configs, progress=False)
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def result(request, checkpoint, model, window, configs):
+    if request.param == "cuda":
+        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to("cuda").eval()
+    found = ev.evaluate_model(model, window, configs, progress=False)
+    assert found.setup["device"].startswith(request.param)
+    return found
 
 
 def test_gguf_converts_to_an_ordinary_checkpoint(checkpoint):
