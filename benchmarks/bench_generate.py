@@ -62,6 +62,9 @@ PROFILED_STEPS = 8  # forward passes (the first an eager one-token prefill) prof
 CAPACITY_CONTEXT = 8192
 ACTIVATION_RESERVE = 2 * GIB  # left free for a decode step's activations and workspaces when sizing a batch
 FP8_SPEEDUP, FP8_CAPACITY = 1.3, 1.9
+# Kernels counted as attention in the busy time: fp8kv's paged attention (decode, multi-token, split
+# merge) and SDPA's (flash, memory-efficient, cuDNN).
+ATTENTION_KERNELS = re.compile(r"decode_kernel|prefill_kernel|merge_splits|flash|fmha|sdpa|attention", re.IGNORECASE)
 
 GEOMETRIES = {  # LlamaConfig arguments
     "Llama-3-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -250,7 +253,8 @@ def measure_column(model, shape: Shape, column: Column, steps: int, device: torc
         if column.compiled:
             info.update({name: after - counters_before[name] for name, after in compile_counters().items()})
         if device.type == "cuda":
-            info["gpu_ms"] = busy_ms_per_step(model, cache, column, shape.batch, shape.context + total, device)
+            info["gpu_ms"], info["attention_ms"] = busy_ms_per_step(model, cache, column, shape.batch,
+                                                                   shape.context + total, device)
     except Exception as exc:  # recorded in the table and the JSON; the other columns still run
         info["error"] = error_text(exc)
     finally:
@@ -259,21 +263,27 @@ def measure_column(model, shape: Shape, column: Column, steps: int, device: torc
     return info
 
 
-def busy_ms_per_step(model, cache, column: Column, batch: int, context: int, device: torch.device) -> float:
-    """The device's busy time per forward pass: the time covered by kernels (overlapping ones
-    counted once: a dependent grid may start before its predecessor ends) over PROFILED_STEPS more
-    steps, profiled and so not timed by the clock, divided by the steps. Against the step time it
-    shows how much of a step the device waits for the host."""
+def busy_ms_per_step(model, cache, column: Column, batch: int, context: int,
+                     device: torch.device) -> tuple[float, float]:
+    """The device's busy time per forward pass, in all and in attention kernels: the time covered
+    by kernels (overlapping ones counted once: a dependent grid may start before its predecessor
+    ends) over PROFILED_STEPS more steps, profiled and so not timed by the clock, divided by the
+    steps. Against the step time it shows how much of a step the device waits for the host."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as profile:
         decode(model, cache, column, batch, context, PROFILED_STEPS, device)
-    kernels = sorted((event.time_range.start, event.time_range.end) for event in profile.events()
-                     if event.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    attention = [event for event in kernels if ATTENTION_KERNELS.search(event.name)]
+    return tuple(covered_us(events) / 1e3 / PROFILED_STEPS for events in (kernels, attention))
+
+
+def covered_us(events) -> float:
+    """Microseconds covered by the events' time ranges (overlaps counted once)."""
     busy_us, covered_until = 0.0, -math.inf
-    for start, end in kernels:
+    for start, end in sorted((event.time_range.start, event.time_range.end) for event in events):
         busy_us += max(0.0, end - max(start, covered_until))
         covered_until = max(covered_until, end)
-    return busy_us / 1e3 / PROFILED_STEPS
+    return busy_us
 
 
 def compile_counters() -> dict:
@@ -395,14 +405,15 @@ def results_table(rows: list[dict]) -> str:
     for row in rows:
         for name, column in row["columns"].items():
             if "error" in column:
-                lines.append([row["label"], name] + ["-"] * 7)
+                lines.append([row["label"], name] + ["-"] * 8)
                 continue
             lines.append([row["label"], name, fmt(column["step_ms"], 2),
                           f"{fmt(column['p10_ms'], 2)}-{fmt(column['p90_ms'], 2)}", fmt(column.get("gpu_ms"), 2),
+                          fmt(column.get("attention_ms"), 2),
                           fmt(column["tokens_per_s"], 0), fmt(ratio(row, name, "bf16 paged graph"), 2),
                           fmt(column["peak_gib"], 1), fmt(column["cache_gib"], 2)])
-    return format_table(["shape", "cache", "ms/step", "p10-p90", "GPU busy ms", "tok/s", "vs bf16 graph", "peak GiB",
-                         "cache GiB"], lines)
+    return format_table(["shape", "cache", "ms/step", "p10-p90", "GPU busy ms", "attention ms", "tok/s",
+                         "vs bf16 graph", "peak GiB", "cache GiB"], lines)
 
 
 def capacity_table(capacity: dict) -> str:
