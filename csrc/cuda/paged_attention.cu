@@ -67,11 +67,13 @@ int64_t cta_slots(int resident_per_sm) {
   return static_cast<int64_t>(sms) * resident_per_sm;
 }
 
-// Decode: one CTA per (sequence, query-head chunk, split, KV head).
+// Decode: one CTA per (sequence, query-head chunk, split, KV head); splits bring the CTAs to about
+// kSplitCtasPerSm per SM.
 cudaError_t plan_decode(const PagedAttentionParams& p, AttentionPlan& plan) {
-  const int64_t slots = cta_slots(dispatch<kAttentionCacheDTypes>(
-      p.cache_dtype, 0, [&](auto cache) { return decode::resident_ctas<decltype(cache)::value>(p.head_size); }));
-  if (slots == 0) return cudaErrorInvalidConfiguration;
+  const int resident = dispatch<kAttentionCacheDTypes>(
+      p.cache_dtype, 0, [&](auto cache) { return decode::resident_ctas<decltype(cache)::value>(p.head_size); });
+  const int64_t target_ctas = cta_slots(std::min(resident, decode::kSplitCtasPerSm));
+  if (target_ctas == 0) return cudaErrorInvalidConfiguration;
   const int group = p.num_heads / p.num_kv_heads;
   plan.row_chunks = p.num_query_tokens * ((group + decode::kRows - 1) / decode::kRows);
   const int64_t busy_ctas = std::max<int64_t>(1, plan.row_chunks * p.num_kv_heads);
@@ -82,7 +84,8 @@ cudaError_t plan_decode(const PagedAttentionParams& p, AttentionPlan& plan) {
   if (min_splits > merge::kMaxSplits) return cudaErrorInvalidValue;  // refused by paged_attention_unsupported
   const int64_t max_splits =
       std::max<int64_t>(min_splits, std::min<int64_t>(merge::kMaxSplits, capacity / kMinSplitTokens));
-  set_splits(capacity, choose_splits(busy_ctas, slots, min_splits, max_splits), decode::kTileGroup, plan);
+  const int64_t splits = (target_ctas + busy_ctas / 2) / busy_ctas;  // nearest
+  set_splits(capacity, std::clamp(splits, min_splits, max_splits), decode::kTileGroup, plan);
   return cudaSuccess;
 }
 
