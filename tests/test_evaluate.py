@@ -273,6 +273,16 @@ def run_cli(argv):
     return ev.run(parser.parse_args(argv))
 
 
+@pytest.mark.parametrize("windows, words", [(1, "1 window x 16 tokens"), (2, "2 windows x 16 tokens")])
+def test_table_counts_windows_in_words(windows, words):
+    cache = ev.CacheResult("e4m3", "e4m3, scale 1", 10.5, 0.01, 0.95, (0.02, 0.03))
+    result = ev.EvaluationResult(10.0, windows * 15, windows, 16, (cache,), {"model": "m", "dtype": "bfloat16",
+                                                                              "device": "cpu"})
+    first = result.table().splitlines()[0]
+    assert first == f"m: {words} ({windows * 15} predicted), bfloat16 on cpu"
+    assert "| e4m3, scale 1 | 10.5000 | +5.00% |" in result.table()
+
+
 def test_command_prints_table_and_writes_json(checkpoint, tmp_path, capsys):
     import json
 

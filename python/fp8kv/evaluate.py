@@ -86,7 +86,8 @@ class EvaluationResult:
     def table(self) -> str:
         """A markdown table of every cache, under a line saying what was measured."""
         setup = self.setup
-        lines = [f"{setup.get('model', 'model')}: {self.windows} windows x {self.seq_len} tokens "
+        windows = f"{self.windows} window{'' if self.windows == 1 else 's'}"
+        lines = [f"{setup.get('model', 'model')}: {windows} x {self.seq_len} tokens "
                  f"({self.tokens} predicted), {setup.get('dtype', '')} on {setup.get('device', '')}",
                  f"model's own attention (SDPA, dense cache): perplexity {self.reference_perplexity:.4f}", "",
                  "| KV cache | perplexity | change | KL | top-1 | attention error: mean / worst layer |",
