@@ -156,6 +156,7 @@ CALIBRATE_ERRORS = [
     ({"--model": "calibrated"}, 2, "--model", "already has KV cache scales"),
     ({"--model": "two_files"}, 2, "--model", "no file that every loader reads could take the scales"),
     ({"--model": "unknown_model_type"}, 1, "--model", "model_type"),
+    ({}, 1, "--model", "the weights do not fit its config.json: 14 missing"),  # and 7 of another shape
     ({"--data": "nowhere.txt"}, 2, "--data", "nowhere.txt: no such file"),
     ({"--data": "empty"}, 2, "--data", "empty: not a file"),
     ({"--data": "words.txt"}, 1, "--data", "words.txt:1: token ids must be integers"),

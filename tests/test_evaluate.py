@@ -353,6 +353,19 @@ def test_bad_paths_are_refused_with_the_option_named(checkpoint, tmp_path, no_mo
             run_cli(argv)
 
 
+def test_a_checkpoint_missing_weights_is_refused(checkpoint):
+    from safetensors.torch import load_file, save_file
+
+    model_dir, text = checkpoint
+    tensors = load_file(model_dir / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"^--model: .*model: the weights do not fit its config.json: 1 missing "
+                                         r"\(model.norm.weight\)$"):
+        run_cli(["--model", str(model_dir), "--data", str(text), "--seq-len", "32", "--windows", "1", "--device", "cpu",
+                 "--no-progress"])
+
+
 def test_png_without_matplotlib_names_the_package(checkpoint, tmp_path, monkeypatch):
     model_dir, text = checkpoint
     real_find_spec = ev.importlib.util.find_spec

@@ -38,6 +38,7 @@ import torch
 
 from .checkpoint import CheckpointError, load_kv_cache_config, read_checkpoint_scales
 from .formats import KVCacheConfig, KVCacheDtype
+from .loading import WeightsMismatchError, load_causal_lm
 
 UNQUANTIZED = "auto"
 CACHES = {
@@ -458,19 +459,19 @@ def evaluate(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows:
     """
     plan = prepare(model_dir, text, caches, seq_len=seq_len, windows=windows, scales=scales, device=device,
                    dtype=dtype)
-    model = load_model(plan)
+    model = load_model(plan, progress=progress)
     kv_caches = kv_cache_configs(model, plan.windows, plan.caches, checkpoint_scales=plan.checkpoint_scales,
                                  progress=progress)
     return evaluate_model(model, plan.windows, kv_caches, progress=progress,
                           setup={"model": str(plan.model_dir), **(setup or {}), **environment(plan)})
 
 
-def load_model(plan: _Plan):
+def load_model(plan: _Plan, progress: bool = True):
     """The plan's model in its dtype on its device, in eval mode with transformers' SDPA attention."""
-    from transformers import AutoModelForCausalLM
-
     try:
-        model = AutoModelForCausalLM.from_pretrained(plan.model_dir, dtype=plan.dtype)
+        model = load_causal_lm(plan.model_dir, plan.dtype, progress=progress)
+    except WeightsMismatchError as e:
+        raise ValueError(f"--model: {e}") from None
     except (OSError, ImportError) as e:
         raise ValueError(f"--model: transformers cannot load {plan.model_dir}: {e}") from None
     model = model.to(plan.device).eval()

@@ -14,6 +14,7 @@ import torch
 
 from ..checkpoint import CONFIG_FILE, LEGACY_JSON_FILE
 from ..formats import KVCacheConfig, KVCacheDtype
+from ..loading import load_causal_lm
 from .export import export_checkpoint, export_legacy_json, scales_file
 from .observe import calibrate, check_granularity
 from .scales import KVAmax, check_scale_arguments
@@ -98,10 +99,8 @@ def calibrate_checkpoint(model_dir: str | os.PathLike, batches: Iterable[torch.T
                              "(the loader refuses two sources); write it elsewhere")
     step = around_step or (lambda name: contextlib.nullcontext())
 
-    from transformers import AutoModelForCausalLM
-
     with step("load"):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+        model = load_causal_lm(model_dir, dtype, progress=progress).to(device)
     with step("observe"):
         amax = calibrate(model, batches, granularity=granularity, progress=progress)
     with step("scales"):
