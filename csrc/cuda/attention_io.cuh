@@ -51,6 +51,10 @@ struct OnlineSoftmax {
 // One (query row, head)'s query: pair(dim) packs elements dim and dim + 1 as an mma operand register
 // of the kernel's math type (kBf16: bf16, else fp16); 0 for a padding row (query_row < 0). The query's
 // own dtype (`bf16`, also the output's) is chosen at run time: it is touched once per CTA.
+// pair(dim) = operand(bits(dim)); a kernel may issue all its bits() loads before anything else that
+// waits on memory and convert them later. Every load is unconditional (a padding row reads row 0,
+// head 0, which every call has): a load under a branch was issued only after the previous one
+// returned.
 template <bool kBf16>
 struct QueryRow {
   const uint8_t* data;
@@ -59,18 +63,19 @@ struct QueryRow {
 
   __device__ __forceinline__ QueryRow(const PagedAttentionParams& p, int64_t query_row, int head, bool query_bf16)
       : data(static_cast<const uint8_t*>(p.query) +
-             (query_row * p.query_token_stride + static_cast<int64_t>(head) * p.query_head_stride) * 2),
+             (query_row >= 0 ? (query_row * p.query_token_stride + static_cast<int64_t>(head) * p.query_head_stride) * 2
+                             : 0)),
         valid(query_row >= 0),
         bf16(query_bf16) {}
 
-  __device__ __forceinline__ uint32_t pair(int dim) const {
-    uint32_t packed = 0u;
-    if (valid) {
-      const float2 x = load_pair_as_float2(data + dim * 2, bf16);
-      packed = pack_pair<kBf16>(x.x, x.y);
-    }
-    return packed;
+  __device__ __forceinline__ uint32_t bits(int dim) const { return *reinterpret_cast<const uint32_t*>(data + dim * 2); }
+
+  __device__ __forceinline__ uint32_t operand(uint32_t pair_bits) const {
+    const float2 x = pair_as_float2(pair_bits, bf16);
+    return valid ? pack_pair<kBf16>(x.x, x.y) : 0u;
   }
+
+  __device__ __forceinline__ uint32_t pair(int dim) const { return operand(bits(dim)); }
 };
 
 // The epilogue: where one (query row, head)'s result goes. With one split, into `out` (bf16 or fp16),

@@ -329,15 +329,30 @@ __device__ __forceinline__ void plan_cta(const PagedAttentionParams& p, int chun
 }
 
 // Q^T fragments for S = K Q^T: column g of B is query row g; its k-step `step` holds the lane's
-// K elements 4*step .. 4*step+3 (see Layout::key_dim).
+// K elements 4*step .. 4*step+3 (see Layout::key_dim). In two steps, so that the query's round trip
+// overlaps the block table's: load_query issues the loads (raw pairs in q_frag), query_operands
+// converts them in place once the table slice has been read.
+template <DType C>
+using KernelQueryRow = QueryRow<CacheTraits<C>::kBf16Math>;
+
 template <DType C, int D>
-__device__ __forceinline__ void load_query(const PagedAttentionParams& p, const RowInfo (&rows)[kRows], int g, int t,
-                                           bool query_bf16, uint32_t (&q_frag)[D / 16][2]) {
-  const QueryRow<CacheTraits<C>::kBf16Math> q(p, rows[g].query_row, rows[g].head, query_bf16);
+__device__ __forceinline__ KernelQueryRow<C> load_query(const PagedAttentionParams& p, const RowInfo (&rows)[kRows],
+                                                        int g, int t, bool query_bf16, uint32_t (&q_frag)[D / 16][2]) {
+  const KernelQueryRow<C> q(p, rows[g].query_row, rows[g].head, query_bf16);
 #pragma unroll
   for (int step = 0; step < D / 16; ++step) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) q_frag[step][half] = q.pair(Layout<C, D>::key_dim(t, 4 * step + 2 * half));
+    for (int half = 0; half < 2; ++half) q_frag[step][half] = q.bits(Layout<C, D>::key_dim(t, 4 * step + 2 * half));
+  }
+  return q;
+}
+
+template <DType C, int D>
+__device__ __forceinline__ void query_operands(const KernelQueryRow<C>& q, uint32_t (&q_frag)[D / 16][2]) {
+#pragma unroll
+  for (int step = 0; step < D / 16; ++step) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) q_frag[step][half] = q.operand(q_frag[step][half]);
   }
 }
 
@@ -435,7 +450,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   plan_cta(p, blockIdx.x, split, split_tokens, w, rows);
   const bool query_bf16 = p.query_dtype == DType::kBFloat16;  // also the output's
   uint32_t q_frag[D / 16][2];
-  load_query<C, D>(p, rows, g, t, query_bf16, q_frag);
+  const KernelQueryRow<C> query = load_query<C, D>(p, rows, g, t, query_bf16, q_frag);
   const LogitRule rule = logit_rule<C>(p, w, rows, t);
 
   SoftmaxState<D> st;
@@ -453,6 +468,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
 #pragma unroll 4
     for (int i = threadIdx.x; i < end_page - w.first_page; i += kThreads) pages[i] = __ldg(table_row + w.first_page + i);
   }
+  query_operands<C, D>(query, q_frag);
   __syncthreads();
   // The main loop: warp `warp` attends to tiles warp, warp + kWarps, ... of [w.lo, w.hi) through its
   // own ring of kStages shared-memory stages (kStages - 1 tiles in flight). It stays in the kernel

@@ -175,8 +175,7 @@ __device__ __forceinline__ void convert_fp8x4(uint32_t w, uint32_t& lo, uint32_t
 }
 
 // Query / output element type, chosen at run time (it is touched once per CTA).
-__device__ __forceinline__ float2 load_pair_as_float2(const void* ptr, bool bf16) {
-  const uint32_t bits = *static_cast<const uint32_t*>(ptr);
+__device__ __forceinline__ float2 pair_as_float2(uint32_t bits, bool bf16) {
   if (bf16) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
   return __half22float2(*reinterpret_cast<const __half2*>(&bits));
 }
