@@ -28,15 +28,17 @@ SmolLM2-135M, the real model of fp8kv.models (skipped with the reason when it is
 `--quick` runs a small geometry; on a machine without CUDA (or `--device cpu`) a tiny one runs as
 a smoke test, the compiled columns compiled by inductor without CUDA graphs.
 
-    python benchmarks/bench_generate.py [--quick] [--shapes REGEX] [--columns REGEX] [--json PATH]
+    python benchmarks/bench_generate.py [--quick] [--shapes REGEX] [--columns REGEX] [--host-profile N] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import math
 import pathlib
+import pstats
 import re
 import statistics
 import sys
@@ -200,6 +202,30 @@ class StepClock(LogitsProcessor):
         return [later - earlier for earlier, later in zip(self.times, self.times[1:])]
 
 
+class HostProfile(LogitsProcessor):
+    """Profiles the host with cProfile from generate's first logits processing (after the first,
+    prefill forward) to the end of generate: every decode step after the first, whole. cProfile
+    slows Python-heavy code, so the milliseconds are relative, not the step's real host time."""
+
+    def __init__(self):
+        self.profiler, self.calls = cProfile.Profile(), 0
+
+    def __call__(self, input_ids, scores):
+        if self.calls == 0:
+            self.profiler.enable()
+        self.calls += 1
+        return scores
+
+    def top(self, count: int) -> list[dict]:
+        """The `count` functions with the most cumulative time, in ms per profiled step."""
+        self.profiler.disable()
+        steps = max(1, self.calls - 1)
+        ranked = sorted(((cumulative, f"{pathlib.Path(file).name}:{line}({name})")
+                         for (file, line, name), (_, _, _, cumulative, _) in pstats.Stats(self.profiler).stats.items()),
+                        reverse=True)
+        return [{"function": where, "ms_per_step": 1e3 * cumulative / steps} for cumulative, where in ranked[:count]]
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -219,26 +245,28 @@ def compile_arguments(column: Column, device: torch.device) -> dict:
 
 
 def decode(model, cache, column: Column, batch: int, context: int, steps: int, device: torch.device,
-           clock: StepClock | None = None) -> None:
+           processor: LogitsProcessor | None = None) -> None:
     """Greedy generate of `steps` tokens after a context of `context` tokens, `context - 1` of
-    them already in `cache`."""
+    them already in `cache`; `processor` (a StepClock or HostProfile) sees every step."""
     generator = torch.Generator(device).manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=generator, device=device)
-    processors = LogitsProcessorList([clock] if clock is not None else [])
+    processors = LogitsProcessorList([processor] if processor is not None else [])
     with torch.no_grad():
         model.generate(ids, past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                        pad_token_id=0, logits_processor=processors, **compile_arguments(column, device))
 
 
-def measure_column(model, shape: Shape, column: Column, steps: int, device: torch.device) -> dict:
+def measure_column(model, shape: Shape, column: Column, steps: int, device: torch.device, host_top: int = 0) -> dict:
     """Per-step decode time (median over `steps` steps after the warm-up), tokens/s, the peak
-    memory of the decode and the cache's size; {"error": ...} when it does not run."""
+    memory of the decode and the cache's size; on CUDA the busy time; with host_top, the host
+    functions with the most time per step; {"error": ...} when it does not run."""
     info: dict = {}
     cache = None
     try:
         use_attention(model, column)
         total = WARMUP_STEPS + steps
-        cache = new_cache(model, column, shape.batch, shape.context + total + PROFILED_STEPS + 1)
+        profiled = PROFILED_STEPS * ((device.type == "cuda") + (host_top > 0))  # steps after the timed ones
+        cache = new_cache(model, column, shape.batch, shape.context + total + profiled + 1)
         with torch.no_grad():
             write_context(model, cache, shape.batch, shape.context - 1, torch.Generator(device).manual_seed(0))
         reset_peak_memory(device)
@@ -252,9 +280,14 @@ def measure_column(model, shape: Shape, column: Column, steps: int, device: torc
                     cache_gib=cache_bytes(cache) / GIB)
         if column.compiled:
             info.update({name: after - counters_before[name] for name, after in compile_counters().items()})
+        context = shape.context + total
         if device.type == "cuda":
-            info["gpu_ms"], info["attention_ms"] = busy_ms_per_step(model, cache, column, shape.batch,
-                                                                   shape.context + total, device)
+            info["gpu_ms"], info["attention_ms"] = busy_ms_per_step(model, cache, column, shape.batch, context, device)
+            context += PROFILED_STEPS
+        if host_top:
+            profile = HostProfile()
+            decode(model, cache, column, shape.batch, context, PROFILED_STEPS, device, profile)
+            info["host_profile"] = profile.top(host_top)
     except Exception as exc:  # recorded in the table and the JSON; the other columns still run
         info["error"] = error_text(exc)
     finally:
@@ -351,10 +384,11 @@ def max_batch(model, column: Column, steps: int, device: torch.device) -> dict:
 # ----------------------------------------------------------------------------- run
 
 
-def measure_row(model, shape: Shape, columns: list[Column], steps: int, device: torch.device) -> dict:
+def measure_row(model, shape: Shape, columns: list[Column], steps: int, device: torch.device,
+                host_top: int = 0) -> dict:
     row = {"label": shape.label, "shape": dataclasses.asdict(shape), "columns": {}}
     for column in columns:
-        row["columns"][column.name] = measure_column(model, shape, column, steps, device)
+        row["columns"][column.name] = measure_column(model, shape, column, steps, device, host_top)
         print(f"  {shape.label} / {column.name}: {describe(row['columns'][column.name])}", flush=True)
     return row
 
@@ -422,6 +456,17 @@ def capacity_table(capacity: dict) -> str:
     return format_table(["cache", "bytes/token", "free GiB", "estimated", "verified"], lines)
 
 
+def host_profile_text(rows: list[dict]) -> str:
+    blocks = []
+    for row in rows:
+        for name, column in row["columns"].items():
+            if "host_profile" in column:
+                lines = [f"{entry['ms_per_step']:9.3f}  {entry['function']}" for entry in column["host_profile"]]
+                blocks.append(f"host profile, {row['label']} / {name} (cProfile, cumulative ms per decode step):\n"
+                              + "\n".join(lines))
+    return "\n\n".join(blocks)
+
+
 def errors_text(rows: list[dict], capacity: dict) -> str:
     lines = [f"  {row['label']} / {name}: {column['error']}" for row in rows
              for name, column in row["columns"].items() if "error" in column]
@@ -436,9 +481,14 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--columns", metavar="REGEX", help="only columns whose name matches REGEX")
     parser.add_argument("--steps", type=int, default=32, help="decode steps timed per column, after the warm-up")
     parser.add_argument("--no-capacity", action="store_true", help="skip the largest-batch measurement")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="after each column, profile the host over more decode steps and list its N costliest "
+                        "functions (cProfile, cumulative time per step)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="write all results as JSON")
     args = parser.parse_args(argv)
+    if args.host_profile < 0:
+        parser.error(f"argument --host-profile: expected a count >= 0, got {args.host_profile}")
     args.png = None  # common.write_outputs: no plot for this benchmark
     return args
 
@@ -473,7 +523,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "columns": {column.name: {"error": model_error} for column in columns}})
             print(f"{shape.label}: {model_error}", flush=True)
             continue
-        rows.append(measure_row(model, shape, columns, args.steps, device))
+        rows.append(measure_row(model, shape, columns, args.steps, device, args.host_profile))
         last_of_model = index + 1 == len(shapes) or shapes[index + 1].model != shape.model
         if measure_capacity and last_of_model:  # the first model's largest batches, while it is loaded
             measure_capacity = False
@@ -494,6 +544,8 @@ def main(argv: list[str] | None = None) -> dict:
     print("\ntargets:")
     for name, ok in targets.items():
         print(f"  {verdict(ok):4}  {name}")
+    if args.host_profile:
+        print("\n" + host_profile_text(rows))
     print(errors_text(rows, capacity))
     header = run_header("generate", device) if device.type == "cuda" else {
         "benchmark": "generate", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
