@@ -8,7 +8,8 @@ the random paged caches (poisoned tails, HND storage, gathers, mixed batches), t
 fp8kv's CPU kernels (attention within tolerance, cache bytes identical to the PyTorch quantize path,
 maxima exact), the measuring harness (failures recorded per column, graph outputs poisoned and
 checked), FlashInfer's page description, PASS/MISS judgement on synthetic rows, JSON + PNG output,
-and whole runs of every benchmark's main() with CUDA's timing calls replaced by host clocks.
+and whole runs of every benchmark's main() with CUDA's timing calls replaced by host clocks (bench_generate:
+a tiny model on the CPU, with its host profile).
 """
 
 from __future__ import annotations
@@ -451,6 +452,31 @@ def test_write_and_amax_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path):
         for col in row["columns"].values():
             assert col["exact"] is True and col["graph"]["exact"] is True
         assert row["targets"]["exact"] is True
+
+
+@needs_fp8kv
+def test_generate_main_on_cpu_with_a_host_profile(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    import bench_generate as generate
+
+    out = tmp_path / "generate.json"
+    payload = generate.main(["--device", "cpu", "--steps", "2", "--columns", "fp8 paged (graph|eager)",
+                             "--host-profile", "5", "--json", str(out)])
+    printed = capsys.readouterr().out
+    (row,) = payload["rows"]
+    assert list(row["columns"]) == ["fp8 paged graph", "fp8 paged eager"]
+    for name, column in row["columns"].items():
+        assert "error" not in column, (name, column)
+        assert column["steps"] == 2 and column["step_ms"] > 0
+        profile = column["host_profile"]
+        # The costliest first; a decode step always goes through the model's forward.
+        assert len(profile) == 5 and all(a["ms_per_step"] >= b["ms_per_step"] for a, b in zip(profile, profile[1:]))
+        assert any("forward" in entry["function"] or "_call_impl" in entry["function"] for entry in profile)
+        assert f"host profile, {row['label']} / {name} (cProfile, cumulative ms per decode step):" in printed
+    assert json.loads(out.read_text())["rows"][0]["columns"]["fp8 paged graph"]["host_profile"] == \
+        row["columns"]["fp8 paged graph"]["host_profile"]
+    with pytest.raises(SystemExit):
+        generate.main(["--device", "cpu", "--host-profile", "-1"])
 
 
 # ---------------------------------------------------------------------------------------------
