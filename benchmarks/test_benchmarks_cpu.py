@@ -8,8 +8,8 @@ the random paged caches (poisoned tails, HND storage, gathers, mixed batches), t
 fp8kv's CPU kernels (attention within tolerance, cache bytes identical to the PyTorch quantize path,
 maxima exact), the measuring harness (failures recorded per column, graph outputs poisoned and
 checked), FlashInfer's page description, PASS/MISS judgement on synthetic rows, JSON + PNG output,
-and whole runs of every benchmark's main() with CUDA's timing calls replaced by host clocks (bench_generate:
-a tiny model on the CPU, with its host profile).
+and whole runs of every benchmark's main() with CUDA's timing calls replaced by host clocks
+(bench_generate: a tiny model on the CPU, with its host profile).
 """
 
 from __future__ import annotations
