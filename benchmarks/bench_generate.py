@@ -216,14 +216,16 @@ class HostProfile(LogitsProcessor):
         self.calls += 1
         return scores
 
-    def top(self, count: int) -> list[dict]:
-        """The `count` functions with the most cumulative time, in ms per profiled step."""
-        self.profiler.disable()
-        steps = max(1, self.calls - 1)
-        ranked = sorted(((cumulative, f"{pathlib.Path(file).name}:{line}({name})")
-                         for (file, line, name), (_, _, _, cumulative, _) in pstats.Stats(self.profiler).stats.items()),
+    def top(self, count: int, steps: int) -> list[dict]:
+        """The `count` functions with the most cumulative time over the `steps` profiled steps, in ms
+        per step, with their own time (outside the functions they call)."""
+        if self.calls != steps + 1:
+            raise RuntimeError(f"host profile: generate processed logits {self.calls} times, expected {steps + 1}")
+        ranked = sorted(((cumulative, own, f"{pathlib.Path(file).name}:{line}({name})")
+                         for (file, line, name), (_, _, own, cumulative, _) in pstats.Stats(self.profiler).stats.items()),
                         reverse=True)
-        return [{"function": where, "ms_per_step": 1e3 * cumulative / steps} for cumulative, where in ranked[:count]]
+        return [{"function": where, "ms_per_step": 1e3 * cumulative / steps, "own_ms_per_step": 1e3 * own / steps}
+                for cumulative, own, where in ranked[:count]]
 
 
 def synchronize(device: torch.device) -> None:
@@ -286,8 +288,11 @@ def measure_column(model, shape: Shape, column: Column, steps: int, device: torc
             context += PROFILED_STEPS
         if host_top:
             profile = HostProfile()
-            decode(model, cache, column, shape.batch, context, PROFILED_STEPS, device, profile)
-            info["host_profile"] = profile.top(host_top)
+            try:
+                decode(model, cache, column, shape.batch, context, PROFILED_STEPS, device, profile)
+            finally:
+                profile.profiler.disable()
+            info["host_profile"] = profile.top(host_top, PROFILED_STEPS - 1)  # the first step is the prefill
     except Exception as exc:  # recorded in the table and the JSON; the other columns still run
         info["error"] = error_text(exc)
     finally:
@@ -461,9 +466,10 @@ def host_profile_text(rows: list[dict]) -> str:
     for row in rows:
         for name, column in row["columns"].items():
             if "host_profile" in column:
-                lines = [f"{entry['ms_per_step']:9.3f}  {entry['function']}" for entry in column["host_profile"]]
-                blocks.append(f"host profile, {row['label']} / {name} (cProfile, cumulative ms per decode step):\n"
-                              + "\n".join(lines))
+                lines = [f"{entry['ms_per_step']:9.3f}  {entry['own_ms_per_step']:9.3f}  {entry['function']}"
+                         for entry in column["host_profile"]]
+                blocks.append(f"host profile, {row['label']} / {name} (cProfile, ms per decode step: cumulative, "
+                              "own):\n" + "\n".join(lines))
     return "\n\n".join(blocks)
 
 

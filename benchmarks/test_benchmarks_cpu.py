@@ -454,6 +454,28 @@ def test_write_and_amax_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path):
         assert row["targets"]["exact"] is True
 
 
+def test_generate_busy_time_counts_overlaps_once_and_picks_attention_kernels():
+    import bench_generate as generate
+
+    def kernel(name, start, end):
+        return types.SimpleNamespace(name=name, time_range=types.SimpleNamespace(start=start, end=end))
+
+    kernels = [kernel("void fp8kv::cuda::decode::decode_kernel<(fp8kv::DType)3, 128>(...)", 0, 10),
+               kernel("void fp8kv::cuda::merge::merge_splits_kernel<128>(...)", 8, 12),  # a dependent grid: overlaps
+               kernel("void fp8kv::cuda::reshape_and_cache_kernel(fp8kv::CacheWriteParams)", 12, 13),
+               kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 20, 30),
+               kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 40, 41),
+               kernel("void pytorch_flash::flash_fwd_splitkv_kernel<...>", 50, 52),
+               kernel("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", 60, 61),
+               kernel("void fp8kv::cuda::prefill::prefill_kernel<(fp8kv::DType)3, 128, 4>(...)", 70, 75)]
+    attention = [k for k in kernels if generate.ATTENTION_KERNELS.search(k.name)]
+    assert [k.time_range.start for k in attention] == [0, 8, 40, 50, 60, 70]  # not the cache write, not the GEMM
+    assert generate.covered_us(kernels) == 12 + 1 + 10 + 1 + 2 + 1 + 5
+    assert generate.covered_us(attention) == 12 + 1 + 2 + 1 + 5
+    assert generate.covered_us([kernel("a", 0, 10), kernel("b", 2, 5)]) == 10  # nested: counted once
+    assert generate.covered_us([]) == 0
+
+
 @needs_fp8kv
 def test_generate_main_on_cpu_with_a_host_profile(tmp_path, capsys):
     pytest.importorskip("transformers")
@@ -472,7 +494,8 @@ def test_generate_main_on_cpu_with_a_host_profile(tmp_path, capsys):
         # The costliest first; a decode step always goes through the model's forward.
         assert len(profile) == 5 and all(a["ms_per_step"] >= b["ms_per_step"] for a, b in zip(profile, profile[1:]))
         assert any("forward" in entry["function"] or "_call_impl" in entry["function"] for entry in profile)
-        assert f"host profile, {row['label']} / {name} (cProfile, cumulative ms per decode step):" in printed
+        assert all(0 <= entry["own_ms_per_step"] <= entry["ms_per_step"] for entry in profile)
+        assert f"host profile, {row['label']} / {name} (cProfile, ms per decode step: cumulative, own):" in printed
     assert json.loads(out.read_text())["rows"][0]["columns"]["fp8 paged graph"]["host_profile"] == \
         row["columns"]["fp8 paged graph"]["host_profile"]
     with pytest.raises(SystemExit):

@@ -138,6 +138,21 @@ def test_unsupported_head_size_is_named(head_size):
         inputs.run()
 
 
+@pytest.mark.parametrize("multi_token", [False, True])
+def test_block_table_without_columns_is_refused(multi_token):
+    # The CPU kernels accept it (decode writes zeros); the CUDA planner sizes splits from the
+    # table's capacity and refuses a table of none, before any launch.
+    query = torch.randn(1, 2, HEAD_SIZE, dtype=torch.bfloat16, device="cuda")
+    key_cache = torch.zeros(1, 16, 1, HEAD_SIZE, dtype=torch.float8_e4m3fn, device="cuda")
+    tables = torch.zeros(1, 0, dtype=torch.int32, device="cuda")
+    seq_lens = torch.zeros(1, dtype=torch.int32, device="cuda")
+    cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32, device="cuda") if multi_token else None
+    one = torch.ones(1, device="cuda")
+    with pytest.raises(RuntimeError, match="`block_tables` must have at least one column, got 0"):
+        fp8kv.ops.paged_attention(torch.empty_like(query), query, key_cache, key_cache.clone(), tables, seq_lens,
+                                  cu_seqlens_q, HEAD_SIZE**-0.5, one, one)
+
+
 def relative_error(inputs) -> float:
     out, reference = inputs.run(), inputs.reference()
     assert_within(out, reference, f"seq_len {inputs.seq_lens.tolist()}")

@@ -78,8 +78,28 @@ def test_loading_is_quiet_and_restores_transformers_logging(checkpoint, capfd):
     edit_weights(directory, lambda t: t.pop("model.norm.weight"))
     hf_logging.set_verbosity_warning()
     hf_logging.enable_progress_bar()
+    handlers = hf_logging.get_logger().handlers[:]
     with pytest.raises(WeightsMismatchError):
         load_causal_lm(directory, torch.float32, progress=False)
     out, err = capfd.readouterr()
     assert out == "" and err == ""  # no load report, no bar: the error says it all
-    assert hf_logging.get_verbosity() == hf_logging.WARNING and hf_logging.is_progress_bar_enabled()
+    assert hf_logging.get_logger().handlers == handlers and hf_logging.is_progress_bar_enabled()
+
+
+def test_a_transformers_refusal_carries_its_report(checkpoint, monkeypatch, capfd):
+    # transformers stops on weights it cannot convert with a RuntimeError pointing at the report it
+    # logged just before: the error carries that report (without terminal colours).
+    directory, _ = checkpoint
+
+    def refuse(*args, **kwargs):
+        hf_logging.get_logger("transformers.modeling_utils").warning("\x1b[1mLOAD REPORT\x1b[0m\nexperts.0.w1 | CONVERSION")
+        raise RuntimeError("We encountered some issues during automatic conversion. See the above report!")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    handlers = hf_logging.get_logger().handlers[:]
+    with pytest.raises(WeightsMismatchError) as error:
+        load_causal_lm(directory, torch.float32, progress=False)
+    assert str(error.value) == (f"{directory}: transformers cannot load its weights: We encountered some issues "
+                                "during automatic conversion. See the above report!\nLOAD REPORT\n"
+                                "experts.0.w1 | CONVERSION")
+    assert capfd.readouterr().err == "" and hf_logging.get_logger().handlers == handlers

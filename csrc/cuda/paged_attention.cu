@@ -144,6 +144,8 @@ namespace fp8kv::gpu {
 using namespace cuda;  // the backend's pieces
 
 std::string paged_attention_unsupported(const PagedAttentionParams& p) {
+  // The split planner sizes splits from the table's capacity, which must not be 0.
+  if (p.max_blocks_per_seq < 1) return "`block_tables` must have at least one column, got 0";
   if (!contains(kCudaHeadSizes, p.head_size)) {
     return "head_size must be one of " + format_list(kCudaHeadSizes) + ", got " + std::to_string(p.head_size);
   }

@@ -1,17 +1,20 @@
 """Loading a user's checkpoint as a transformers causal LM, strictly.
 
 transformers fills the weights a checkpoint lacks with fresh random values and only logs a report;
-weights of another shape than the config's stop it with a RuntimeError that refers to that report.
-Calibrating or evaluating a model with random weights measures nothing, so here every weight of the
-model comes from the checkpoint with the shape its config gives, or loading fails with a
-`WeightsMismatchError` naming the directory and the tensors. Tensors the model does not use (such
-as KV cache scales) are fine.
+weights it cannot load (another shape than the config's, a failed conversion) stop it with a
+RuntimeError that refers to that report. Calibrating or evaluating a model with random weights
+measures nothing, so here every weight of the model comes from the checkpoint with the shape its
+config gives, or loading fails with a `WeightsMismatchError` naming the directory and the tensors
+(or, for transformers' own refusals, carrying its report). Tensors the model does not use (such as
+KV cache scales) are fine.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import re
 
 import torch
 
@@ -27,9 +30,13 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: torch.dtype | str, *, pr
     weights of the wrong shape. progress: transformers' loading bar."""
     from transformers import AutoModelForCausalLM
 
-    with _transformers_quiet(progress):
-        model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, output_loading_info=True,
-                                                           ignore_mismatched_sizes=True)
+    with _transformers_quiet(progress) as report:
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, output_loading_info=True,
+                                                               ignore_mismatched_sizes=True)
+        except RuntimeError as e:
+            raise WeightsMismatchError(f"{model_dir}: transformers cannot load its weights: {e}"
+                                       + "".join(f"\n{line}" for line in report)) from None
     problems = _problems(info)
     if problems:
         raise WeightsMismatchError(f"{model_dir}: the weights do not fit its config.json: {'; '.join(problems)}")
@@ -45,7 +52,6 @@ def _problems(info: dict) -> list[str]:
     if mismatched:
         shapes = [f"{name} is {list(checkpoint)}, not {list(model)}" for name, checkpoint, model in mismatched]
         problems.append(f"{len(mismatched)} of another shape ({_first(shapes)})")
-    problems += [str(message) for message in info.get("error_msgs", ())]
     return problems
 
 
@@ -54,18 +60,35 @@ def _first(items: list[str]) -> str:
     return ", ".join(items[:SHOWN]) + (f", and {more} more" if more > 0 else "")
 
 
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class _Lines(logging.Handler):
+    """Keeps the text of the records it receives, one entry per line, without terminal colours."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines += ANSI_ESCAPE.sub("", record.getMessage()).rstrip().splitlines()
+
+
 @contextlib.contextmanager
 def _transformers_quiet(progress: bool):
-    """transformers' loading report is replaced by the error above; its bar shows only with progress."""
-    from transformers.utils import logging
+    """Collects transformers' log (its load report) instead of printing it, and yields its lines:
+    the errors above replace it. transformers' progress bar shows only with progress."""
+    from transformers.utils import logging as transformers_logging
 
-    verbosity, bar = logging.get_verbosity(), logging.is_progress_bar_enabled()
-    logging.set_verbosity_error()
+    root = transformers_logging.get_logger()  # the library's root logger, which holds its handlers
+    collected = _Lines()
+    handlers, bar = root.handlers[:], transformers_logging.is_progress_bar_enabled()
+    root.handlers = [collected]
     if not progress:
-        logging.disable_progress_bar()
+        transformers_logging.disable_progress_bar()
     try:
-        yield
+        yield collected.lines
     finally:
-        logging.set_verbosity(verbosity)
+        root.handlers = handlers
         if bar:
-            logging.enable_progress_bar()
+            transformers_logging.enable_progress_bar()
