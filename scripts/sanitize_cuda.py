@@ -5,7 +5,7 @@
 
 Covers cache write (vectorized and scalar paths, skipped slots), kv_amax, and paged attention for
 every cache format and head size, decode, verification and prefill (both stagings of the
-multi-token kernel), split-KV with its merge, sliding window, soft cap, HND layout, partial last pages and block-table entries that are never read (-1).
+multi-token kernel), split-KV with its merge, persistent decode CTAs taking several work items, sliding window, soft cap, HND layout, partial last pages and block-table entries that are never read (-1).
 """
 
 import argparse
@@ -18,13 +18,14 @@ from fp8kv import ops
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, None]  # None: unquantized
 
 
-def attention_case(head_size, block_size, group, cache_dtype, queries, hnd, window, cap, long):
-    """queries: 'decode' (one per sequence), 'verify' (1, 2 and 4 draft tokens) or 'prefill'."""
+def attention_case(head_size, block_size, group, cache_dtype, queries, hnd, window, cap, long, num_seqs=3):
+    """queries: 'decode' (one per sequence), 'verify' (1, 2 and 4 draft tokens) or 'prefill' (3
+    sequences); decode may take more sequences (the three lengths repeated)."""
     device = "cuda"
-    num_kv_heads, num_seqs = 2, 3
+    num_kv_heads = 2
     query_dtype = torch.bfloat16
     cache_dtype = cache_dtype or query_dtype
-    lens = torch.tensor([1, 3 * block_size + 5, 2000 if long else 70])
+    lens = torch.tensor([1, 3 * block_size + 5, 2000 if long else 70]).repeat(num_seqs)[:num_seqs]
     blocks_per_seq = int((lens.max() + block_size - 1) // block_size) + 1
     num_blocks = num_seqs * blocks_per_seq
     table = torch.randperm(num_blocks).view(num_seqs, blocks_per_seq).int()
@@ -40,7 +41,7 @@ def attention_case(head_size, block_size, group, cache_dtype, queries, hnd, wind
     if hnd:
         key_cache, value_cache = key_cache.permute(0, 2, 1, 3), value_cache.permute(0, 2, 1, 3)
     decode = queries == "decode"
-    q_lens = torch.tensor({"decode": [1, 1, 1], "verify": [1, 2, 4], "prefill": [1, 3 * block_size + 5, 130]}[queries])
+    q_lens = torch.tensor({"decode": [1] * num_seqs, "verify": [1, 2, 4], "prefill": [1, 3 * block_size + 5, 130]}[queries])
     q_lens = torch.minimum(q_lens, lens).int()
     cu = None if decode else torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()]).to(device)
     num_tokens = int(q_lens.sum())
@@ -87,6 +88,10 @@ def main():
                            hnd=(i + j) % 2 == 1, window=50 if j == 2 else -1, cap=20.0 if (i + j) % 3 == 0 else 0.0,
                            long=long)
             count += 1
+    for head in heads:  # decode with far more work items than resident CTAs: each CTA takes several
+        attention_case(head, 16, 4, torch.float8_e4m3fn, "decode", hnd=False, window=-1, cap=0.0, long=False,
+                       num_seqs=700)
+        count += 1
     torch.cuda.synchronize()
     print(f"sanitize workload: {count} op calls completed")
 

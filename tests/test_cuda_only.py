@@ -153,6 +153,20 @@ def test_block_table_without_columns_is_refused(multi_token):
                                   cu_seqlens_q, HEAD_SIZE**-0.5, one, one)
 
 
+@pytest.mark.parametrize("cache_format, head_size, layout, window, soft_cap", [
+    ("e4m3fn", 128, "HND", -1, 0.0), ("none", 64, "NHD", 50, 0.0), ("e5m2", 256, "NHD", -1, 4.0)])
+def test_decode_ctas_take_many_items(cache_format, head_size, layout, window, soft_cap):
+    """2000 work items (1000 sequences x 2 KV heads), more than any GPU's resident decode CTAs: each
+    CTA takes several from the queue, the next one's block table and first tiles requested across
+    the boundary. Lengths 0-299 make the items of one CTA differ (some are empty)."""
+    seq_lens = torch.randint(0, 300, (1000,), generator=torch.Generator().manual_seed(11)).tolist()
+    inputs = make_paged_attention_inputs(
+        seq_lens=seq_lens, q_lens=None, num_heads=8, num_kv_heads=2, head_size=head_size, block_size=16,
+        cache_format=cache_format, query_dtype=torch.bfloat16, per_head_scales=True, layout=layout,
+        sliding_window=window, logits_soft_cap=soft_cap, seed=3, device="cuda")
+    assert_within(inputs.run(), inputs.reference(), "many items per CTA")
+
+
 def relative_error(inputs) -> float:
     out, reference = inputs.run(), inputs.reference()
     assert_within(out, reference, f"seq_len {inputs.seq_lens.tolist()}")

@@ -48,7 +48,27 @@ struct RowInfo {
   int head;           // query head
 };
 
-// Everything a CTA knows about its work.
+// A work item's query rows: heads head0 .. head0 + count - 1 of sequence seq; columns n >= count of
+// the mma are padding.
+struct RowSet {
+  int seq;
+  int head0;
+  int count;
+
+  __device__ __forceinline__ RowInfo operator[](int n) const {
+    return n < count ? RowInfo{seq, head0 + n} : RowInfo{-1, 0};
+  }
+};
+
+// A work item's place: its row chunk (sequence and query-head chunk), split and KV head.
+struct ItemIndex {
+  int row_chunk;
+  int seq;
+  int split;
+  int kv_head;
+};
+
+// Everything a CTA knows about its current item.
 struct CtaWork {
   int seq;
   int kv_head;
@@ -101,6 +121,16 @@ constexpr int conflict_free_pitch(int row_bytes, int vec, bool is_key) {
   return best;
 }
 
+// What a CTA's threads share about its items besides the ring: the next item (from the queue), each
+// buffer's sequence length, and the warps' softmax max and sum for the merge.
+struct ItemShared {
+  int next_item;
+  int seq_len[2];
+  int pad;
+  float row_max[kWarps][kRows];
+  float row_sum[kWarps][kRows];
+};
+
 // Per-warp staging of 16-token tiles in shared memory: K rows then V rows, each row as in the cache,
 // at pitches padded so that the fragment loads of read_tile are free of bank conflicts.
 template <DType C, int D>
@@ -117,8 +147,12 @@ struct Staging {
   static constexpr int kRingBudget = 96 * 1024;  // per CTA
   static constexpr int kStages = std::max(2, std::min(kMaxStages, kRingBudget / (kWarps * kStageBytes)));
   static constexpr int kRingBytes = kWarps * kStages * kStageBytes;
-  static constexpr int kMergeBytes = (kWarps * kRows * (D + 4) + 2 * kWarps * kRows) * 4;
-  static constexpr int kPagesOffset = std::max(kRingBytes, kMergeBytes);
+  // The warp merge of an item's result uses each warp's last ring stage, free at that point (the
+  // next item's first tiles are in flight in the others): kRows x D floats, padded where they fit.
+  static constexpr int kMergePitch = kStageBytes >= kRows * (D + 4) * 4 ? D + 4 : D;
+  static_assert(kStageBytes >= kRows * D * 4, "a warp's merge scratch must fit one stage");
+  static constexpr int kSharedOffset = kRingBytes;  // ItemShared
+  static constexpr int kPagesOffset = kSharedOffset + (sizeof(ItemShared) + 15) / 16 * 16;  // two table slices
   // Typical block-table slice, used for the occupancy estimate; launches size it from the plan.
   static constexpr int kTypicalPagesBytes = 2048;
 };
@@ -303,29 +337,56 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
     mma_16x8x16<kBf16>(st.acc[j], a, p0, p1);
   }
 }
-// Finds the CTA's sequence, rows (query heads of one chunk of the group) and cache range.
-// Every row of the CTA sees the same positions, [w.lo, w.hi).
-__device__ __forceinline__ void plan_cta(const PagedAttentionParams& p, int chunk_index, int split, int split_tokens,
-                                         CtaWork& w, RowInfo (&rows)[kRows]) {
+__device__ __forceinline__ ItemIndex item_index(const PagedAttentionParams& p, const WorkQueue& queue, int num_splits,
+                                                int item) {
   const int group = p.num_heads / p.num_kv_heads;
-  const int head_chunks = (group + kRows - 1) / kRows;
-  const int seq = chunk_index / head_chunks;
-  const int head_chunk = chunk_index % head_chunks;
-  const int heads_in_chunk = min(kRows, group - head_chunk * kRows);
-  // Clamped to the table's capacity so that unchecked (non-debug) input never reads past it.
-  const int seq_len = min(__ldg(p.seq_lens + seq), p.max_blocks_per_seq * p.block_size);
-  const KeyRange<int> keys = visible_keys(seq_len, 1, 0, p.sliding_window);
-#pragma unroll
-  for (int n = 0; n < kRows; ++n) {
-    const bool valid = n < heads_in_chunk;
-    rows[n].query_row = valid ? seq : -1;
-    rows[n].head = valid ? w.kv_head * group + head_chunk * kRows + n : 0;
+  ItemIndex at;
+  at.row_chunk = item % queue.row_chunks;
+  at.seq = at.row_chunk / ((group + kRows - 1) / kRows);
+  at.split = (item / queue.row_chunks) % num_splits;
+  at.kv_head = item / (queue.row_chunks * num_splits);
+  return at;
+}
+
+// The split's first block-table index (the start of its staged slice): known without seq_len.
+__device__ __forceinline__ int split_first_page(const PagedAttentionParams& p, const WorkQueue& queue, int split) {
+  return (split * queue.split_tokens) >> (__ffs(p.block_size) - 1);
+}
+
+// Starts copying an item's block-table slice and sequence length into shared memory (cp.async, in the
+// caller's copy group; every thread takes part). The slice's bounds do not depend on seq_len, so both
+// copies are issued at once; entries past seq_len are copied but never used.
+__device__ __forceinline__ void prefetch_item(const PagedAttentionParams& p, const WorkQueue& queue,
+                                              const ItemIndex& at, int32_t* pages, int* seq_len) {
+  const int first_page = split_first_page(p, queue, at.split);
+  const int64_t split_end = static_cast<int64_t>(at.split + 1) * queue.split_tokens;
+  const int end_page = static_cast<int>(
+      std::min<int64_t>(p.max_blocks_per_seq, (split_end + p.block_size - 1) >> (__ffs(p.block_size) - 1)));
+  const int32_t* table_row = p.block_tables + at.seq * p.block_table_stride;
+  for (int i = threadIdx.x; i < end_page - first_page; i += kThreads) {
+    copy_async<4>(pages + i, table_row + first_page + i, true);
   }
-  w.seq = seq;
+  if (threadIdx.x == 0) copy_async<4>(seq_len, p.seq_lens + at.seq, true);
+}
+
+// An item's rows (query heads of one chunk of the group) and cache range from its sequence length.
+// Every row sees the same positions, [w.lo, w.hi).
+__device__ __forceinline__ void plan_item(const PagedAttentionParams& p, const WorkQueue& queue, const ItemIndex& at,
+                                          int seq_len, CtaWork& w, RowSet& rows) {
+  const int group = p.num_heads / p.num_kv_heads;
+  const int head_chunk = at.row_chunk - at.seq * ((group + kRows - 1) / kRows);
+  // Clamped to the table's capacity so that unchecked (non-debug) input never reads past it.
+  seq_len = min(seq_len, p.max_blocks_per_seq * p.block_size);
+  const KeyRange<int> keys = visible_keys(seq_len, 1, 0, p.sliding_window);
+  rows.seq = at.seq;
+  rows.head0 = at.kv_head * group + head_chunk * kRows;
+  rows.count = min(kRows, group - head_chunk * kRows);
+  w.seq = at.seq;
+  w.kv_head = at.kv_head;
   w.block_shift = __ffs(p.block_size) - 1;
-  w.lo = max(keys.begin, split * split_tokens);
-  w.hi = min(keys.end, (split + 1) * split_tokens);
-  w.first_page = (split * split_tokens) >> w.block_shift;  // the split's first page, known without seq_len
+  w.lo = max(keys.begin, at.split * queue.split_tokens);
+  w.hi = min(keys.end, (at.split + 1) * queue.split_tokens);
+  w.first_page = split_first_page(p, queue, at.split);
 }
 
 // Q^T fragments for S = K Q^T: column g of B is query row g; its k-step `step` holds the lane's
@@ -336,7 +397,7 @@ template <DType C>
 using KernelQueryRow = QueryRow<CacheTraits<C>::kBf16Math>;
 
 template <DType C, int D>
-__device__ __forceinline__ KernelQueryRow<C> load_query(const PagedAttentionParams& p, const RowInfo (&rows)[kRows],
+__device__ __forceinline__ KernelQueryRow<C> load_query(const PagedAttentionParams& p, const RowSet& rows,
                                                         int g, int t, bool query_bf16, uint32_t (&q_frag)[D / 16][2]) {
   const KernelQueryRow<C> q(p, rows[g].query_row, rows[g].head, query_bf16);
 #pragma unroll
@@ -366,7 +427,7 @@ struct LogitRule {
 
 template <DType C>
 __device__ __forceinline__ LogitRule logit_rule(const PagedAttentionParams& p, const CtaWork& w,
-                                                const RowInfo (&rows)[kRows], int t) {
+                                                const RowSet& rows, int t) {
   LogitRule r;
   r.multiplier = logit_multiplier<C>(p, w.kv_head);
   r.soft_cap = p.logits_soft_cap;
@@ -379,13 +440,13 @@ __device__ __forceinline__ LogitRule logit_rule(const PagedAttentionParams& p, c
   return r;
 }
 
-// Merges the warps' states through shared memory (reusing the ring) and writes each row: thread
-// items cover kRows columns x D dims, two adjacent dims per item.
+// Merges the warps' states through shared memory and writes each row: thread items cover kRows
+// columns x D dims, two adjacent dims per item. The caller syncs before the scratch is reused.
 template <DType C, int D>
 __device__ __forceinline__ void merge_warps_and_write(const PagedAttentionParams& p, const SplitWorkspace& ws,
-                                                      int split, const CtaWork& w, const RowInfo (&rows)[kRows],
+                                                      int split, const CtaWork& w, const RowSet& rows,
                                                       bool out_bf16, int g, int t, int warp, SoftmaxState<D>& st,
-                                                      uint8_t* smem) {
+                                                      uint8_t* smem, ItemShared& shared) {
   using L = Layout<C, D>;
   // Each lane holds a share of the denominators: sum over lanes with equal t.
 #pragma unroll
@@ -394,17 +455,21 @@ __device__ __forceinline__ void merge_warps_and_write(const PagedAttentionParams
     for (int mask = 4; mask < 32; mask <<= 1) st.row_sum[c] += __shfl_xor_sync(0xffffffffu, st.row_sum[c], mask);
   }
 
-  // acc[warp][column][dim], max and sum per (warp, column).
-  auto smem_acc = reinterpret_cast<float (*)[kRows][D + 4]>(smem);
-  auto smem_max = reinterpret_cast<float (*)[kRows]>(smem + kWarps * kRows * (D + 4) * sizeof(float));
-  auto smem_sum = smem_max + kWarps;
+  // acc[column][dim] of warp x in its last ring stage (free: see Staging::kMergePitch); max and sum
+  // per (warp, column) in ItemShared.
+  using Stg = Staging<C, D>;
+  auto smem_acc = [&](int x) {
+    return reinterpret_cast<float (*)[Stg::kMergePitch]>(smem + (x * Stg::kStages + Stg::kStages - 1) * Stg::kStageBytes);
+  };
+  auto smem_max = shared.row_max;
+  auto smem_sum = shared.row_sum;
 #pragma unroll
   for (int j = 0; j < D / 16; ++j) {
     const int d0 = L::value_dim(g, 2 * j), d1 = L::value_dim(g, 2 * j + 1);
-    smem_acc[warp][2 * t][d0] = st.acc[j][0];
-    smem_acc[warp][2 * t + 1][d0] = st.acc[j][1];
-    smem_acc[warp][2 * t][d1] = st.acc[j][2];
-    smem_acc[warp][2 * t + 1][d1] = st.acc[j][3];
+    smem_acc(warp)[2 * t][d0] = st.acc[j][0];
+    smem_acc(warp)[2 * t + 1][d0] = st.acc[j][1];
+    smem_acc(warp)[2 * t][d1] = st.acc[j][2];
+    smem_acc(warp)[2 * t + 1][d1] = st.acc[j][3];
   }
   if (g == 0) {
 #pragma unroll
@@ -428,115 +493,160 @@ __device__ __forceinline__ void merge_warps_and_write(const PagedAttentionParams
       if (smem_sum[x][n] == 0.f) continue;
       const float weight = fast_exp2(smem_max[x][n] - max_all);
       sum += weight * smem_sum[x][n];
-      o0 += weight * smem_acc[x][n][d];
-      o1 += weight * smem_acc[x][n][d + 1];
+      o0 += weight * smem_acc(x)[n][d];
+      o1 += weight * smem_acc(x)[n][d + 1];
     }
     write_pair<D>(p, ws, split, row.query_row, row.head, out_bf16, v_scale, max_all, sum, d, o0, o1);
   }
 }
 
 template <DType C, int D>
-__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
-    decode_kernel(const PagedAttentionParams p, SplitWorkspace ws, int split_tokens) {
+__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
+    decode_kernel(const PagedAttentionParams p, SplitWorkspace ws, WorkQueue queue) {
   using Stg = Staging<C, D>;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
-  const int split = blockIdx.y;
   if (ws.num_splits > 1) allow_dependent_grid();  // the merge may start its CTAs (they wait for this grid)
+  extern __shared__ __align__(16) uint8_t smem[];
+  ItemShared& shared = *reinterpret_cast<ItemShared*>(smem + Stg::kSharedOffset);
+  int32_t* const slices = reinterpret_cast<int32_t*>(smem + Stg::kPagesOffset);  // two block-table slices
+  uint8_t* const ring = smem + warp * Stg::kStages * Stg::kStageBytes;
+  const bool query_bf16 = p.query_dtype == DType::kBFloat16;  // also the output's
+
+  // Persistent CTAs: the first item is the CTA's own index, later ones come from the queue. While an
+  // item streams, the next one's block-table slice and sequence length are copied into the other
+  // buffer; when it ends, the next item's first tiles and query are requested before its merge, so
+  // that an item's ramp overlaps the previous item's end.
+  ItemIndex at = item_index(p, queue, ws.num_splits, blockIdx.x);
+  int buffer = 0;
+  int ticket = 0;  // thread 0: the item after the next one
+  if (threadIdx.x == 0) ticket = gridDim.x + atomicAdd(queue.taken, 1);
+  prefetch_item(p, queue, at, slices, &shared.seq_len[0]);
+  copy_async_commit();
+  copy_async_wait<0>();
+  if (threadIdx.x == 0) shared.next_item = ticket;
+  __syncthreads();
 
   CtaWork w;
-  w.kv_head = blockIdx.z;
-  RowInfo rows[kRows];
-  plan_cta(p, blockIdx.x, split, split_tokens, w, rows);
-  const bool query_bf16 = p.query_dtype == DType::kBFloat16;  // also the output's
+  RowSet rows;
   uint32_t q_frag[D / 16][2];
-  const KernelQueryRow<C> query = load_query<C, D>(p, rows, g, t, query_bf16, q_frag);
-  const LogitRule rule = logit_rule<C>(p, w, rows, t);
-
-  SoftmaxState<D> st;
-
-  extern __shared__ __align__(16) uint8_t smem[];
-  // The split's slice of its block-table row, read once: the main loop then finds pages in shared
-  // memory. The slice's bounds do not depend on seq_len, so these loads overlap its load (one round
-  // trip before the first tile instead of two); entries past seq_len are read but never used.
-  int32_t* pages = reinterpret_cast<int32_t*>(smem + Stg::kPagesOffset);
-  {
-    const int32_t* table_row = p.block_tables + w.seq * p.block_table_stride;
-    const int64_t split_end = static_cast<int64_t>(split + 1) * split_tokens;
-    const int end_page =
-        static_cast<int>(std::min<int64_t>(p.max_blocks_per_seq, (split_end + p.block_size - 1) >> w.block_shift));
-#pragma unroll 4
-    for (int i = threadIdx.x; i < end_page - w.first_page; i += kThreads) pages[i] = __ldg(table_row + w.first_page + i);
-  }
-  query_operands<C, D>(query, q_frag);
-  __syncthreads();
-  // The main loop: warp `warp` attends to tiles warp, warp + kWarps, ... of [w.lo, w.hi) through its
-  // own ring of kStages shared-memory stages (kStages - 1 tiles in flight). It stays in the kernel
-  // body: as a function it shifts the register allocation of some instantiations' loop.
-  {
-    const RowSource source = make_row_source<C>(p, w.kv_head, lane);
-
-    const int first_tile = (w.lo / kTileTokens) * kTileTokens;
+  KernelQueryRow<C> query(p, -1, 0, query_bf16);
+  int first_tile = 0, my_tiles = 0;
+  // Starts the item `at` from its shared buffer: its range, its first kStages - 1 tiles (one copy
+  // group each) and its query loads (raw bits in q_frag; query_operands converts them).
+  auto begin_item = [&]() {
+    plan_item(p, queue, at, shared.seq_len[buffer], w, rows);
+    first_tile = (w.lo / kTileTokens) * kTileTokens;
     const int num_tiles = w.hi > w.lo ? (w.hi - first_tile + kTileTokens - 1) / kTileTokens : 0;
-    // Warp `warp` takes tiles warp, warp + kWarps, ...; its k-th tile starts at tile_start(k).
-    const int my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
-    auto tile_start = [&](int k) { return first_tile + (warp + k * kWarps) * kTileTokens; };
-
-    uint8_t* ring = smem + warp * Stg::kStages * Stg::kStageBytes;
-    auto stage = [&](int k) {
-      stage_tile<C, D>(ring + (k % Stg::kStages) * Stg::kStageBytes, source, pages, w, p.num_blocks, tile_start(k), lane);
-    };
-    // Keep kStages - 1 tiles in flight; every iteration commits one (possibly empty) copy group, so
-    // waiting for all but the newest kStages - 1 groups means tile k has landed.
+    // Warp `warp` takes tiles warp, warp + kWarps, ... of the item.
+    my_tiles = num_tiles > warp ? (num_tiles - warp + kWarps - 1) / kWarps : 0;
+    const RowSource source = make_row_source<C>(p, w.kv_head, lane);
 #pragma unroll
     for (int k = 0; k < Stg::kStages - 1; ++k) {
-      if (k < my_tiles) stage(k);
+      if (k < my_tiles) {
+        stage_tile<C, D>(ring + k * Stg::kStageBytes, source, slices + buffer * queue.slice_entries, w, p.num_blocks,
+                         first_tile + (warp + k * kWarps) * kTileTokens, lane);
+      }
       copy_async_commit();
     }
-    TileRegs<C, D> regs;
-    for (int k = 0; k < my_tiles; ++k) {
-      if (k + Stg::kStages - 1 < my_tiles) stage(k + Stg::kStages - 1);
+    query = load_query<C, D>(p, rows, g, t, query_bf16, q_frag);
+  };
+  begin_item();
+  query_operands<C, D>(query, q_frag);
+
+  for (;;) {
+    const int next = shared.next_item;
+    const bool has_next = next < queue.items;
+    const ItemIndex next_at = item_index(p, queue, ws.num_splits, has_next ? next : 0);
+    auto prefetch_next = [&]() {
+      if (has_next) prefetch_item(p, queue, next_at, slices + (buffer ^ 1) * queue.slice_entries, &shared.seq_len[buffer ^ 1]);
+    };
+    const LogitRule rule = logit_rule<C>(p, w, rows, t);
+    SoftmaxState<D> st;
+    // The main loop: warp `warp` attends to its tiles of [w.lo, w.hi) through its own ring of kStages
+    // shared-memory stages (kStages - 1 tiles in flight). It stays in the kernel body: as a function
+    // it shifts the register allocation of some instantiations' loop.
+    {
+      const RowSource source = make_row_source<C>(p, w.kv_head, lane);
+      const int32_t* pages = slices + buffer * queue.slice_entries;
+      auto tile_start = [&](int k) { return first_tile + (warp + k * kWarps) * kTileTokens; };
+      // Every iteration commits one (possibly empty) copy group, so waiting for all but the newest
+      // kStages - 1 groups means tile k has landed. The next item's slice joins the first group.
+      TileRegs<C, D> regs;
+      for (int k = 0; k < my_tiles; ++k) {
+        if (k + Stg::kStages - 1 < my_tiles) {
+          stage_tile<C, D>(ring + ((k + Stg::kStages - 1) % Stg::kStages) * Stg::kStageBytes, source, pages, w,
+                           p.num_blocks, tile_start(k + Stg::kStages - 1), lane);
+        }
+        if (k == 0) prefetch_next();
+        copy_async_commit();
+        copy_async_wait<Stg::kStages - 1>();
+        __syncwarp();  // rows copied by other lanes are visible
+        read_tile<C, D>(regs, ring + (k % Stg::kStages) * Stg::kStageBytes, lane);
+        const bool interior = tile_start(k) >= w.lo && tile_start(k) + kTileTokens <= w.hi;
+        attend_tile<C, D>(regs, q_frag, st, tile_start(k), interior, rule.lo, rule.hi, rule.multiplier,
+                          rule.soft_cap, lane);
+        __syncwarp();  // every lane has read the slot before it is refilled
+      }
+      if (my_tiles == 0) prefetch_next();
       copy_async_commit();
-      copy_async_wait<Stg::kStages - 1>();
-      __syncwarp();  // rows copied by other lanes are visible
-      read_tile<C, D>(regs, ring + (k % Stg::kStages) * Stg::kStageBytes, lane);
-      const bool interior = tile_start(k) >= w.lo && tile_start(k) + kTileTokens <= w.hi;
-      attend_tile<C, D>(regs, q_frag, st, tile_start(k), interior, rule.lo, rule.hi, rule.multiplier, rule.soft_cap,
-                        lane);
-      __syncwarp();  // every lane has read the slot before it is refilled
+      copy_async_wait<0>();
     }
-    copy_async_wait<0>();
+    __syncthreads();  // the next slice is visible; every warp is done with the ring
+    const CtaWork done = w;
+    const RowSet done_rows = rows;
+    const int done_split = at.split;
+    if (has_next) {
+      at = next_at;
+      buffer ^= 1;
+      if (threadIdx.x == 0) ticket = gridDim.x + atomicAdd(queue.taken, 1);
+      begin_item();  // its tiles and query are in flight during the merge
+    }
+    merge_warps_and_write<C, D>(p, ws, done_split, done, done_rows, query_bf16, g, t, warp, st, smem, shared);
+    if (!has_next) break;
+    if (threadIdx.x == 0) shared.next_item = ticket;
+    query_operands<C, D>(query, q_frag);
+    __syncthreads();  // the merge has read the ring's last stages before they are refilled
   }
-  __syncthreads();  // the ring is reused for the warp merge
-  merge_warps_and_write<C, D>(p, ws, split, w, rows, query_bf16, g, t, warp, st, smem);
+}
+
+// Dynamic shared memory of a launch: the ring, ItemShared and two block-table slices of the plan's size.
+template <DType C, int D>
+int launch_smem_bytes(const AttentionPlan& plan, int block_size) {
+  return Staging<C, D>::kPagesOffset + 2 * pages_bytes(plan, block_size);
 }
 
 template <DType C, int D>
 cudaError_t launch_head(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
-                        cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(plan.row_chunks), static_cast<unsigned>(plan.num_splits),
-                  static_cast<unsigned>(p.num_kv_heads));
-  const int smem_bytes = Staging<C, D>::kPagesOffset + pages_bytes(plan, p.block_size);
-  decode_kernel<C, D><<<grid, kThreads, smem_bytes, stream>>>(p, ws, plan.split_tokens);
-  const cudaError_t status = cudaGetLastError();
+                        int* taken, cudaStream_t stream) {
+  const int64_t items = plan.row_chunks * plan.num_splits * p.num_kv_heads;
+  const WorkQueue queue{taken, static_cast<int>(items), static_cast<int>(plan.row_chunks), plan.split_tokens,
+                        pages_bytes(plan, p.block_size) / 4};
+  cudaError_t status = cudaMemsetAsync(taken, 0, sizeof(int), stream);
+  if (status != cudaSuccess) return status;
+  const auto ctas = static_cast<unsigned>(std::min(items, plan.ctas));
+  decode_kernel<C, D><<<ctas, kThreads, launch_smem_bytes<C, D>(plan, p.block_size), stream>>>(p, ws, queue);
+  status = cudaGetLastError();
   return status != cudaSuccess || plan.num_splits == 1 ? status : merge::launch(p, ws, stream);
 }
 
 template <DType C>
-cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
+cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws, int* taken,
                    cudaStream_t stream) {
   return dispatch<kCudaHeadSizes>(p.head_size, cudaErrorInvalidValue, [&](auto head) {
-    return launch_head<C, decltype(head)::value>(p, plan, ws, stream);
+    return launch_head<C, decltype(head)::value>(p, plan, ws, taken, stream);
   });
 }
 
-// The occupancy estimate assumes a typical block-table slice; launches size it from the plan.
+// CTAs per SM that fit with the plan's shared memory: every CTA of the persistent grid must be
+// resident at once (a CTA that starts late would start its first item late).
 template <DType C>
-int resident_ctas(int head_size) {
-  return dispatch<kCudaHeadSizes>(head_size, 0, [](auto head) {
-    using Stg = Staging<C, decltype(head)::value>;
-    return cuda::resident_ctas(reinterpret_cast<const void*>(decode_kernel<C, decltype(head)::value>), kThreads,
-                               Stg::kPagesOffset + kMaxPages * 4, Stg::kPagesOffset + Stg::kTypicalPagesBytes);
+int resident_ctas(const AttentionPlan& plan, int head_size, int block_size) {
+  return dispatch<kCudaHeadSizes>(head_size, 0, [&](auto head) {
+    constexpr int kHead = decltype(head)::value;
+    return cuda::resident_ctas(reinterpret_cast<const void*>(decode_kernel<C, kHead>), kThreads,
+                               Staging<C, kHead>::kPagesOffset + 2 * kMaxPages * 4,
+                               launch_smem_bytes<C, kHead>(plan, block_size));
   });
 }
 

@@ -8,8 +8,8 @@
 #define FP8KV_INSTANTIATE_ATTENTION(CACHE)                                                                        \
   namespace fp8kv::cuda {                                                                                         \
   template cudaError_t decode::launch<CACHE>(const PagedAttentionParams&, const AttentionPlan&,                   \
-                                             const SplitWorkspace&, cudaStream_t);                                \
-  template int decode::resident_ctas<CACHE>(int);                                                                 \
+                                             const SplitWorkspace&, int*, cudaStream_t);                          \
+  template int decode::resident_ctas<CACHE>(const AttentionPlan&, int, int);                                      \
   template cudaError_t prefill::launch<CACHE>(const PagedAttentionParams&, const AttentionPlan&,                  \
                                               const SplitWorkspace&, cudaStream_t);                               \
   template int prefill::resident_ctas<CACHE>(int, bool);                                                          \

@@ -9,7 +9,7 @@ namespace fp8kv::cuda {
 
 // Raises `kernel`'s dynamic shared-memory limit to max_smem_bytes on the current device and returns
 // its resident CTAs per SM with smem_bytes of dynamic shared memory (0 on error); computed once per
-// (kernel, device).
+// (kernel, device, smem_bytes).
 int resident_ctas(const void* kernel, int threads, int max_smem_bytes, int smem_bytes);
 
 namespace merge {
@@ -20,13 +20,15 @@ cudaError_t launch(const PagedAttentionParams& p, const SplitWorkspace& ws, cuda
 }  // namespace merge
 
 // Defined per cache format in paged_attention_<format>.cu: resident_ctas returns the kernel's
-// resident CTAs per SM on the current device (0 on error or for an unsupported head size).
+// resident CTAs per SM on the current device (0 on error or for an unsupported head size); the
+// decode kernel's depends on the plan's split size (its block-table slices).
 namespace decode {
+// `taken`: the work queue's counter (zeroed by the launch).
 template <DType C>
-cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
+cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws, int* taken,
                    cudaStream_t stream);
 template <DType C>
-int resident_ctas(int head_size);
+int resident_ctas(const AttentionPlan& plan, int head_size, int block_size);
 }  // namespace decode
 
 namespace prefill {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "launch.h"
@@ -67,16 +68,14 @@ int64_t cta_slots(int resident_per_sm) {
   return static_cast<int64_t>(sms) * resident_per_sm;
 }
 
-// Decode: one CTA per (sequence, query-head chunk, split, KV head); splits bring the CTAs to about
-// kSplitCtasPerSm per SM.
+// Decode: persistent CTAs taking work items (sequence and query-head chunk, split, KV head); splits
+// bring the items to about kItemsPerSm per SM.
 cudaError_t plan_decode(const PagedAttentionParams& p, AttentionPlan& plan) {
-  const int resident = dispatch<kAttentionCacheDTypes>(
-      p.cache_dtype, 0, [&](auto cache) { return decode::resident_ctas<decltype(cache)::value>(p.head_size); });
-  const int64_t target_ctas = cta_slots(std::min(resident, decode::kSplitCtasPerSm));
-  if (target_ctas == 0) return cudaErrorInvalidConfiguration;
+  const int64_t target_items = cta_slots(decode::kItemsPerSm);
+  if (target_items == 0) return cudaErrorInvalidConfiguration;
   const int group = p.num_heads / p.num_kv_heads;
   plan.row_chunks = p.num_query_tokens * ((group + decode::kRows - 1) / decode::kRows);
-  const int64_t busy_ctas = std::max<int64_t>(1, plan.row_chunks * p.num_kv_heads);
+  const int64_t row_items = std::max<int64_t>(1, plan.row_chunks * p.num_kv_heads);  // items per split
   // Context known without a sync: the block table's capacity.
   const int64_t capacity = static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
   const int64_t max_split_tokens = decode_max_split_tokens(p.block_size);
@@ -84,9 +83,14 @@ cudaError_t plan_decode(const PagedAttentionParams& p, AttentionPlan& plan) {
   if (min_splits > merge::kMaxSplits) return cudaErrorInvalidValue;  // refused by paged_attention_unsupported
   const int64_t max_splits =
       std::max<int64_t>(min_splits, std::min<int64_t>(merge::kMaxSplits, capacity / kMinSplitTokens));
-  const int64_t splits = (target_ctas + busy_ctas / 2) / busy_ctas;  // nearest
+  const int64_t splits = (target_items + row_items / 2) / row_items;  // nearest
   set_splits(capacity, std::clamp(splits, min_splits, max_splits), decode::kTileGroup, plan);
-  return cudaSuccess;
+  if (plan.row_chunks * plan.num_splits * p.num_kv_heads > INT32_MAX) return cudaErrorInvalidValue;
+  const int resident = dispatch<kAttentionCacheDTypes>(p.cache_dtype, 0, [&](auto cache) {
+    return decode::resident_ctas<decltype(cache)::value>(plan, p.head_size, p.block_size);
+  });
+  plan.ctas = cta_slots(std::min(resident, decode::kCtasPerSm));
+  return plan.ctas == 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
 // Multi-token: one CTA per (query tile of one sequence, split, KV head and head chunk). The tile
@@ -117,6 +121,13 @@ cudaError_t plan_prefill(const PagedAttentionParams& p, AttentionPlan& plan) {
   return cudaSuccess;
 }
 
+// Bytes of the splits' partial results in the workspace (0 with one split); the decode kernel's work
+// queue counter follows them.
+int64_t partials_bytes(const PagedAttentionParams& p, const AttentionPlan& plan) {
+  if (plan.num_splits == 1) return 0;
+  return plan.num_splits * p.num_query_tokens * p.num_heads * (p.head_size + 2) * static_cast<int64_t>(sizeof(float));
+}
+
 }  // namespace
 
 int resident_ctas(const void* kernel, int threads, int max_smem_bytes, int smem_bytes) {
@@ -124,16 +135,16 @@ int resident_ctas(const void* kernel, int threads, int max_smem_bytes, int smem_
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   // Kernel attributes are per device: a process that uses several GPUs sets them on each.
   static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int> resident;  // (kernel, device) -> CTAs per SM
+  static std::map<std::tuple<const void*, int, int>, int> resident;  // (kernel, device, smem) -> CTAs per SM
   const std::lock_guard<std::mutex> lock(mutex);
-  const auto known = resident.find({kernel, device});
+  const auto known = resident.find({kernel, device, smem_bytes});
   if (known != resident.end()) return known->second;
   int ctas = 0;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, max_smem_bytes) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, smem_bytes) != cudaSuccess) {
     return 0;
   }
-  resident.emplace(std::make_pair(kernel, device), ctas);
+  resident.emplace(std::make_tuple(kernel, device, smem_bytes), ctas);
   return ctas;
 }
 
@@ -174,13 +185,10 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
 }
 
 cudaError_t plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* plan) {
-  *plan = AttentionPlan{1, 0, 0, 0, false};
+  *plan = AttentionPlan{1, 0, 0, 0, false, 0};
   if (nothing_to_do(p)) return cudaSuccess;
   const cudaError_t status = p.cu_seqlens_q == nullptr ? plan_decode(p, *plan) : plan_prefill(p, *plan);
-  if (plan->num_splits > 1) {
-    plan->workspace_bytes =
-        plan->num_splits * p.num_query_tokens * p.num_heads * (p.head_size + 2) * static_cast<int64_t>(sizeof(float));
-  }
+  plan->workspace_bytes = partials_bytes(p, *plan) + (p.cu_seqlens_q == nullptr ? sizeof(int) : 0);
   return status;
 }
 
@@ -195,9 +203,10 @@ cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionPlan& 
     ws.row_max = ws.acc + plan.num_splits * ws.rows * p.head_size;
     ws.row_sum = ws.row_max + plan.num_splits * ws.rows;
   }
+  int* taken = reinterpret_cast<int*>(static_cast<uint8_t*>(workspace) + partials_bytes(p, plan));
   return dispatch<kAttentionCacheDTypes>(p.cache_dtype, cudaErrorInvalidValue, [&](auto cache) {
     constexpr DType kCache = decltype(cache)::value;
-    return p.cu_seqlens_q == nullptr ? decode::launch<kCache>(p, plan, ws, stream)
+    return p.cu_seqlens_q == nullptr ? decode::launch<kCache>(p, plan, ws, taken, stream)
                                      : prefill::launch<kCache>(p, plan, ws, stream);
   });
 }

@@ -33,18 +33,37 @@ constexpr int kThreads = kMaxSplits;
 }  // namespace merge
 
 namespace decode {
+// The decode kernel's work items, (row chunk, split, KV head) with the row chunk fastest: CTA b first
+// takes item b, then item gridDim.x + atomicAdd(taken, 1) (`taken` is zeroed before the launch).
+struct WorkQueue {
+  int* taken;
+  int items;
+  int row_chunks;  // sequences x query-head chunks
+  int split_tokens;
+  int slice_entries;  // block-table entries of one staged slice (two are staged: current and next item)
+};
+
 constexpr int kWarps = 4;         // 8 warps only helped batch 1; 4 leaves room for 4 CTAs per SM
 constexpr int kMaxStages = 2;     // tiles staged per warp: 3-4 stages fit fewer CTAs per SM and were slower
-constexpr int kMinCtasPerSm = 1;  // no register cap: capping for 5-6 CTAs per SM spilled and was slower
+// Register cap: four CTAs per SM for head sizes up to 128, whose loop fits 128 registers without
+// spills (uncapped, the persistent loop takes 142-148); larger heads spill under that cap, and
+// capping for 5-6 CTAs per SM spilled and was slower.
+constexpr int min_ctas_per_sm(int head_size) { return head_size <= 128 ? 4 : 1; }
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileTokens = 16;   // keys per tile: the mma's M
 constexpr int kRows = 8;          // query rows per CTA: the mma's N
 constexpr int kTileGroup = kTileTokens * kWarps;  // split_tokens is a multiple of the warps' tiles
-// Splits are sized for about this many CTAs per SM. Each CTA pays a fixed ramp (block table, first
-// tiles) and a share of the merge, and two CTAs per SM streaming long ranges already read at the
-// bandwidth the others reach: on an H100 (Llama-3-8B geometry) B1 x 32k took 38.7 µs at 33 splits
-// against 41.3 at 64, B4 x 32k 111.7 at 8 against 122.5 at 32, B16 x 4k 63.4 at 2 against 67.0 at 4.
-constexpr int kSplitCtasPerSm = 2;
+// Persistent CTAs per SM (at most what fits): each takes work items (a sequence's query-head chunk
+// at one KV head over one split) until none is left, and requests the next item's block table and
+// first tiles before it merges the current one, so the per-item ramp is paid once per CTA. On an
+// H100 (Llama-3-8B geometry) B256 x 1k went from 214.1 µs (one CTA per item, four waves) to 197.6;
+// two persistent CTAs per SM were 2-5% slower than four.
+constexpr int kCtasPerSm = 4;
+// Splits are sized for about this many work items per SM: each split adds a partial result to merge,
+// and finer items did not shorten the uneven finish (same H100 sweep: 4 or 8 items per SM were
+// equal or up to 6% slower than 2 on every shape; before the persistent grid, B1 x 32k took 38.7 µs
+// at 33 splits against 41.3 at 64).
+constexpr int kItemsPerSm = 2;
 // Block-table entries a CTA stages (caps split_tokens at (kMaxPages - 2) * block_size).
 constexpr int kMaxPages = 2048;
 
