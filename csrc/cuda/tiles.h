@@ -57,12 +57,12 @@ constexpr int kTileGroup = kTileTokens * kWarps;  // split_tokens is a multiple 
 // at one KV head over one split) until none is left, and requests the next item's block table and
 // first tiles before it merges the current one, so the per-item ramp is paid once per CTA. On an
 // H100 (Llama-3-8B geometry) B256 x 1k went from 214.1 µs (one CTA per item, four waves) to 197.6;
-// two persistent CTAs per SM were 2-5% slower than four.
+// two persistent CTAs per SM were slower than four on 7 of 8 shapes (by 1-7%).
 constexpr int kCtasPerSm = 4;
 // Splits are sized for about this many work items per SM: each split adds a partial result to merge,
-// and finer items did not shorten the uneven finish (same H100 sweep: 4 or 8 items per SM were
-// equal or up to 6% slower than 2 on every shape; before the persistent grid, B1 x 32k took 38.7 µs
-// at 33 splits against 41.3 at 64).
+// and finer items did not shorten the uneven finish (same H100 sweep: 4, 8 or 16 items per SM were
+// equal or slower than 2 on every shape, by up to 24%; before the persistent grid, B1 x 32k took
+// 38.7 µs at 33 splits against 41.3 at 64). See docs/perf_notes.md, section 6.
 constexpr int kItemsPerSm = 2;
 // Block-table entries a CTA stages (caps split_tokens at (kMaxPages - 2) * block_size).
 constexpr int kMaxPages = 2048;
