@@ -126,7 +126,7 @@ constexpr int conflict_free_pitch(int row_bytes, int vec, bool is_key) {
 struct ItemShared {
   int next_item;
   int seq_len[2];
-  int pad;
+  int pad;  // the arrays start 16 bytes in, on a 16-byte boundary
   float row_max[kWarps][kRows];
   float row_sum[kWarps][kRows];
 };
@@ -153,8 +153,6 @@ struct Staging {
   static_assert(kStageBytes >= kRows * D * 4, "a warp's merge scratch must fit one stage");
   static constexpr int kSharedOffset = kRingBytes;  // ItemShared
   static constexpr int kPagesOffset = kSharedOffset + (sizeof(ItemShared) + 15) / 16 * 16;  // two table slices
-  // Typical block-table slice, used for the occupancy estimate; launches size it from the plan.
-  static constexpr int kTypicalPagesBytes = 2048;
 };
 
 // The cache rows a lane stages (K for lanes 0-15, V for 16-31) at the CTA's KV head. Byte strides

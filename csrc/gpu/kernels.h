@@ -43,7 +43,7 @@ struct AttentionPlan {
   int num_splits;           // context splits (flash-decoding); 1 writes `out` directly
   int64_t workspace_bytes;  // the splits' partial results (0 when num_splits == 1), and CUDA decode's work queue
   // The CUDA kernels' grid (the HIP kernels find their rows and split ranges on the device):
-  int64_t row_chunks;  // grid.x: decode: sequences x query-head chunks; multi-token: query tiles (a bound)
+  int64_t row_chunks;  // decode: sequences x query-head chunks; multi-token: grid.x, query tiles (a bound)
   int split_tokens;    // context positions per split, a multiple of the kernel's tile group
   bool deep_staging;   // multi-token kernel: prefill::kDeepStages (see csrc/cuda/tiles.h)
   int64_t ctas;        // decode: persistent CTAs taking the work items (row chunks x splits x KV heads)
