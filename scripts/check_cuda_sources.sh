@@ -14,7 +14,7 @@ out=$(mktemp -d); trap 'rm -rf "$out"' EXIT
 shopt -s nullglob
 for src in csrc/cuda/*.cu; do
   echo "nvcc: $src"
-  "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr --Werror all-warnings -c "$src" -o "$out/$(basename "$src").o" \
+  "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr --Werror all-warnings -DFP8KV_SM90A -c "$src" -o "$out/$(basename "$src").o" \
     -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_89,code=sm_89 \
     -gencode=arch=compute_90a,code=sm_90a
 done

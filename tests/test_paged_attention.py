@@ -112,6 +112,24 @@ def test_varlen_causal(device, case):
     run_case(case, seq_lens, q_lens, device, seed=1000 + index)
 
 
+LONG_PROMPT_CASES = covering_grid(
+    {"cache_format": CACHE_FORMATS, "head_size": [64, 128, 96], "gqa": [1, 4]},
+    {"block_size": [16, 32, 128], "dtype": list(QUERY_DTYPES), "per_head": [False, True], "layout": CACHE_LAYOUTS,
+     "window": [False, True], "soft_cap": [False, True], "strided": [False, True]})
+
+
+@pytest.mark.parametrize("case", LONG_PROMPT_CASES, ids=case_id)
+def test_long_prompts(device, case):
+    """Prompts long enough for many key tiles per CTA and several query tiles per sequence (on an
+    H100 at head sizes 64 and 128, the warp-specialized kernel with both consumer warpgroups): a
+    whole 300-token prompt, a 190-token chunk continuing 450 cached tokens, a decode row, and a lone
+    64-token chunk over 1500 cached tokens, whose few CTAs split the context."""
+    index = LONG_PROMPT_CASES.index(case)
+    seq_lens = [300, 640 + index % 7, 1, 1564]
+    q_lens = [300, 190, 1, 64]
+    run_case(case, seq_lens, q_lens, device, seed=5000 + index)
+
+
 VERIFY_CASES = covering_grid(
     {"cache_format": CACHE_FORMATS, "q_len": [2, 4, 8], "gqa": GQA_RATIOS},
     {"head_size": HEAD_SIZES, "block_size": BLOCK_SIZES, "dtype": list(QUERY_DTYPES),

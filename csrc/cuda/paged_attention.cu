@@ -93,17 +93,35 @@ cudaError_t plan_decode(const PagedAttentionParams& p, AttentionPlan& plan) {
   return plan.ctas == 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
+// The sm_90a multi-token kernel runs on compute capability 9.0 devices when the build has sm_90a code.
+bool sm90a_device() {
+#ifdef FP8KV_SM90A
+  int device = 0, major = 0, minor = 0;
+  return cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess && major == 9 &&
+         minor == 0;
+#else
+  return false;
+#endif
+}
+
 // Multi-token: one CTA per (query tile of one sequence, split, KV head and head chunk). The tile
 // count is bounded from host shapes (each sequence wastes at most one partial tile); CTAs past the
 // real count exit at once.
 cudaError_t plan_prefill(const PagedAttentionParams& p, AttentionPlan& plan) {
   const int group = p.num_heads / p.num_kv_heads;
   plan.deep_staging = prefill::use_deep_staging(p.num_query_tokens, group, p.num_seqs);
+  // Short queries stay on the sm80 kernel: they are bound by memory, and it shares their few rows
+  // among its warps.
+  plan.warp_specialized =
+      !plan.deep_staging && contains(prefill::hopper::kHeadSizes, p.head_size) && sm90a_device();
   const int64_t slots = cta_slots(dispatch<kAttentionCacheDTypes>(p.cache_dtype, 0, [&](auto cache) {
-    return prefill::resident_ctas<decltype(cache)::value>(p.head_size, plan.deep_staging);
+    return prefill::resident_ctas<decltype(cache)::value>(p.head_size, plan.deep_staging, plan.warp_specialized);
   }));
   if (slots == 0) return cudaErrorInvalidConfiguration;
-  const prefill::RowMap map = prefill::RowMap::make(group);
+  const prefill::RowMap map =
+      prefill::RowMap::make(group, plan.warp_specialized ? prefill::hopper::kRows : prefill::kRows);
   const int64_t packed_tiles = (p.num_query_tokens + map.tokens_per_tile - 1) / map.tokens_per_tile;
   plan.row_chunks = packed_tiles + p.num_seqs;
   if (plan.row_chunks > INT32_MAX) return cudaErrorInvalidValue;
@@ -185,7 +203,7 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
 }
 
 cudaError_t plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* plan) {
-  *plan = AttentionPlan{1, 0, 0, 0, false, 0};
+  *plan = AttentionPlan{1, 0, 0, 0, false, 0, false};
   if (nothing_to_do(p)) return cudaSuccess;
   const cudaError_t status = p.cu_seqlens_q == nullptr ? plan_decode(p, *plan) : plan_prefill(p, *plan);
   plan->workspace_bytes = partials_bytes(p, *plan) + (p.cu_seqlens_q == nullptr ? sizeof(int) : 0);

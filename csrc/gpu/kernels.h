@@ -47,6 +47,7 @@ struct AttentionPlan {
   int split_tokens;    // context positions per split, a multiple of the kernel's tile group
   bool deep_staging;   // multi-token kernel: prefill::kDeepStages (see csrc/cuda/tiles.h)
   int64_t ctas;        // decode: persistent CTAs taking the work items (row chunks x splits x KV heads)
+  bool warp_specialized;  // multi-token kernel: the sm_90a one (csrc/cuda/prefill_hopper.cuh)
 };
 
 // Plans p for the current device (its multiprocessor count and the kernels' occupancy set how many
