@@ -3,6 +3,8 @@
 // multi-token (prefill.cuh) kernels.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -93,6 +95,19 @@ cudaError_t plan_decode(const PagedAttentionParams& p, AttentionPlan& plan) {
   return plan.ctas == 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
+// Which multi-token kernel to run: the planner's choice, or the one FP8KV_MULTI_TOKEN_KERNEL names
+// (to compare the kernels, or to rule one out); read at every call.
+enum class MultiTokenKernel { kAuto, kSm80, kSm90a, kInvalid };
+constexpr const char* kMultiTokenKernelVariable = "FP8KV_MULTI_TOKEN_KERNEL";
+
+MultiTokenKernel requested_multi_token_kernel() {
+  const char* value = std::getenv(kMultiTokenKernelVariable);
+  if (value == nullptr || std::strcmp(value, "") == 0 || std::strcmp(value, "auto") == 0) return MultiTokenKernel::kAuto;
+  if (std::strcmp(value, "sm80") == 0) return MultiTokenKernel::kSm80;
+  if (std::strcmp(value, "sm90a") == 0) return MultiTokenKernel::kSm90a;
+  return MultiTokenKernel::kInvalid;
+}
+
 // The sm_90a multi-token kernel runs on compute capability 9.0 devices when the build has sm_90a code.
 bool sm90a_device() {
 #ifdef FP8KV_SM90A
@@ -106,6 +121,10 @@ bool sm90a_device() {
 #endif
 }
 
+bool sm90a_kernel_runs(const PagedAttentionParams& p) {
+  return contains(prefill::hopper::kHeadSizes, p.head_size) && sm90a_device();
+}
+
 // Multi-token: one CTA per (query tile of one sequence, split, KV head and head chunk). The tile
 // count is bounded from host shapes (each sequence wastes at most one partial tile); CTAs past the
 // real count exit at once.
@@ -113,9 +132,12 @@ cudaError_t plan_prefill(const PagedAttentionParams& p, AttentionPlan& plan) {
   const int group = p.num_heads / p.num_kv_heads;
   plan.deep_staging = prefill::use_deep_staging(p.num_query_tokens, group, p.num_seqs);
   // Short queries stay on the sm80 kernel: they are bound by memory, and it shares their few rows
-  // among its warps.
-  plan.warp_specialized =
-      !plan.deep_staging && contains(prefill::hopper::kHeadSizes, p.head_size) && sm90a_device();
+  // among its warps. (paged_attention_unsupported has refused a request that cannot be met.)
+  switch (requested_multi_token_kernel()) {
+    case MultiTokenKernel::kSm80: plan.warp_specialized = false; break;
+    case MultiTokenKernel::kSm90a: plan.warp_specialized = true; break;
+    default: plan.warp_specialized = !plan.deep_staging && sm90a_kernel_runs(p);
+  }
   const int64_t slots = cta_slots(dispatch<kAttentionCacheDTypes>(p.cache_dtype, 0, [&](auto cache) {
     return prefill::resident_ctas<decltype(cache)::value>(p.head_size, plan.deep_staging, plan.warp_specialized);
   }));
@@ -199,6 +221,19 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
     return "`query` rows must start on 4-byte boundaries";
   }
   if (!pairs_aligned(p.out, p.out_token_stride, p.out_head_stride)) return "`out` rows must start on 4-byte boundaries";
+  if (p.cu_seqlens_q != nullptr) {
+    const MultiTokenKernel kernel = requested_multi_token_kernel();
+    if (kernel == MultiTokenKernel::kInvalid) {
+      return std::string("environment variable ") + kMultiTokenKernelVariable +
+             " must be unset, empty, \"auto\", \"sm80\" or \"sm90a\", got \"" + std::getenv(kMultiTokenKernelVariable) +
+             "\"";
+    }
+    if (kernel == MultiTokenKernel::kSm90a && !sm90a_kernel_runs(p)) {
+      return std::string(kMultiTokenKernelVariable) + "=sm90a needs fp8kv built with sm_90a code, a compute "
+             "capability 9.0 device and head_size one of " + format_list(prefill::hopper::kHeadSizes) + " (got " +
+             std::to_string(p.head_size) + ")";
+    }
+  }
   return "";
 }
 
