@@ -13,12 +13,23 @@
 namespace fp8kv::cuda::prefill {
 namespace hopper {
 
-// Named barriers: kFull + s (the producer has filled stage s), kEmpty + s (the consumers are done
-// with it), and the producer warpgroup's own.
+// Named barriers (16 per CTA, 0 is __syncthreads): full_barrier(c, s), the producer has filled stage s
+// for consumer c (one per consumer, so that the consumers need not meet at every tile); kEmpty + s,
+// both consumers are done with stage s; the producer warpgroup's own; kTurn + c, consumer c may issue
+// its MMAs (ping-pong).
 constexpr int kMaxStages = 4;
-constexpr int kFullBarrier = 1;
-constexpr int kEmptyBarrier = kFullBarrier + kMaxStages;
+constexpr int kEmptyBarrier = 1 + kConsumers * kMaxStages;
 constexpr int kProducerBarrier = kEmptyBarrier + kMaxStages;
+constexpr int kTurnBarrier = kProducerBarrier + 1;
+static_assert(kTurnBarrier + kConsumers <= 16, "named barriers");
+__device__ __forceinline__ int full_barrier(int consumer, int stage) { return 1 + consumer * kMaxStages + stage; }
+constexpr int kPairThreads = 2 * kWarpgroupThreads;  // a full or turn barrier's two warpgroups
+
+// Ping-pong (as FlashAttention-3): the consumers take turns issuing their MMAs, so that one's
+// softmax runs while the tensor cores work through the other's MMAs rather than both at once. The
+// consumers then go through the same tiles (those of the CTA), masking those of the other's rows.
+constexpr bool kPingPong = true;
+static_assert(!kPingPong || kConsumers == 2, "the turn protocol below is written for two consumers");
 
 // Shared-memory geometry. An operand (the K or the V of one tile) is D / 64 regions of kKeys swizzled
 // rows, dims 64h .. 64h + 63 in region h; a stage holds K, then V.
@@ -91,7 +102,10 @@ __device__ __forceinline__ void produce(const PagedAttentionParams& p, const Pre
   // The tensor cores read what this thread wrote (stores or cp.async): fence, then hand over.
   auto publish = [&](int tile) {
     wgmma::fence_async_proxy();
-    wgmma::barrier_arrive(kFullBarrier + tile % S::kStages, kThreads);
+#pragma unroll
+    for (int c = 0; c < kConsumers; ++c) {
+      wgmma::barrier_arrive(full_barrier(c, tile % S::kStages), kPairThreads);
+    }
   };
   if constexpr (S::kFp8) {
     for (int k = 0; k < S::kRawStages - 1; ++k) {
@@ -133,21 +147,37 @@ struct WarpgroupRange {
   int lo, hi, interior_lo, interior_hi;
 };
 
-// A consumer warpgroup: it takes every tile the producer publishes and attends to those its rows see,
-// [begin, end) (its rows' range is contiguous), into st. Pipelined one tile deep: tile k's S = Q K^T
-// and tile k - 1's O += P V are issued together, and tile k's softmax runs while the latter is in
-// flight; a stage is released (when the producer will refill it) once its P V is done.
+// Consumer `consumer`: it takes every tile the producer publishes and attends to tiles [begin, end)
+// into st: with ping-pong all of them, else those its rows see (their range is contiguous).
+// Pipelined one tile deep: tile k's S = Q K^T and tile k - 1's O += P V are issued together, and tile
+// k's softmax runs while the latter is in flight; a stage is released (when the producer will refill
+// it) once its P V is done.
 template <DType C, int D>
-__device__ __forceinline__ void consume(const LaneRows& rows, const WarpgroupRange& range,
+__device__ __forceinline__ void consume(int consumer, const LaneRows& rows, const WarpgroupRange& range,
                                        const uint32_t (&q_frag)[D / 16][4], float multiplier, float soft_cap,
                                        int first_tile, int num_tiles, uint32_t smem, WarpState<D>& st) {
   using S = Stages<C, D>;
   constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
-  const bool sees_any = range.lo < range.hi;
-  const int begin = sees_any ? (range.lo - first_tile) / kKeys : num_tiles;
-  const int end = sees_any ? min(num_tiles, (range.hi - first_tile + kKeys - 1) / kKeys) : num_tiles;
+  int begin = 0, end = num_tiles;
+  if (!kPingPong) {
+    const bool sees_any = range.lo < range.hi;
+    begin = sees_any ? (range.lo - first_tile) / kKeys : num_tiles;
+    end = sees_any ? min(num_tiles, (range.hi - first_tile + kKeys - 1) / kKeys) : num_tiles;
+  }
 
-  auto acquire = [&](int k) { wgmma::barrier_sync(kFullBarrier + k % S::kStages, kThreads); };
+  auto acquire = [&](int k) { wgmma::barrier_sync(full_barrier(consumer, k % S::kStages), kPairThreads); };
+  // Turns alternate consumer 0, 1, 0, 1, ...: each waits for its turn before issuing MMAs and passes it
+  // on after (consumer 1 gives consumer 0 its first turn and does not pass its last). Both take
+  // end - begin + 1 turns (the first tile's S, one per further tile, the last tile's P V).
+  auto take_turn = [&]() {
+    if constexpr (kPingPong) wgmma::barrier_sync(kTurnBarrier + consumer, kPairThreads);
+  };
+  auto pass_turn = [&](bool last) {
+    if constexpr (kPingPong) {
+      const int next = (consumer + 1) % kConsumers;
+      if (!(last && next == 0)) wgmma::barrier_arrive(kTurnBarrier + next, kPairThreads);
+    }
+  };
   auto release = [&](int k) {
     if (k + S::kStages < num_tiles) wgmma::barrier_arrive(kEmptyBarrier + k % S::kStages, kThreads);
   };
@@ -194,9 +224,11 @@ __device__ __forceinline__ void consume(const LaneRows& rows, const WarpgroupRan
     acquire(k);
     wgmma::pin(p);  // every register the MMAs read is final before they start
     wgmma::pin(st.acc);
+    take_turn();
     wgmma::fence();
     issue_scores(k, s);
     issue_values(k - 1, p);
+    pass_turn(false);
     wgmma::wait<1>();  // S of tile k (committed first)
     wgmma::pin(s);
     softmax(k, s, p_next, rescale);
@@ -209,8 +241,10 @@ __device__ __forceinline__ void consume(const LaneRows& rows, const WarpgroupRan
   auto finish = [&](Fragments& p) {
     wgmma::pin(p);
     wgmma::pin(st.acc);
+    take_turn();
     wgmma::fence();
     issue_values(end - 1, p);
+    pass_turn(true);
     wgmma::wait<0>();
     wgmma::pin(st.acc);
     wgmma::pin(p);
@@ -220,9 +254,12 @@ __device__ __forceinline__ void consume(const LaneRows& rows, const WarpgroupRan
   for (int k = 0; k < begin; ++k) acquire(k), release(k);
   if (begin < end) {
     Fragments p0, p1;
+    if (kPingPong && consumer == 1) wgmma::barrier_arrive(kTurnBarrier, kPairThreads);
     acquire(begin);
+    take_turn();
     wgmma::fence();
     issue_scores(begin, s);
+    pass_turn(false);
     wgmma::wait<0>();
     wgmma::pin(s);
     softmax(begin, s, p0, rescale);
@@ -244,8 +281,9 @@ __device__ __forceinline__ void consume(const LaneRows& rows, const WarpgroupRan
 // query fragments, the tiles, and the epilogue.
 template <DType C, int D>
 __device__ __forceinline__ void consume_and_write(const PagedAttentionParams& p, const SplitWorkspace& ws,
-                                                  const PrefillWork& w, const LaneRows& rows, const int4* warp_ranges,
-                                                  int first_tile, int num_tiles, uint32_t smem) {
+                                                  const PrefillWork& w, const LaneRows& rows, int consumer,
+                                                  const int4* warp_ranges, int first_tile, int num_tiles,
+                                                  uint32_t smem) {
   WarpgroupRange range{INT_MAX, INT_MIN, INT_MIN, INT_MAX};
 #pragma unroll
   for (int x = 0; x < kWarpgroupThreads / 32; ++x) {
@@ -258,7 +296,7 @@ __device__ __forceinline__ void consume_and_write(const PagedAttentionParams& p,
   uint32_t q_frag[D / 16][4];
   load_query<C, D>(p, rows, t, query_bf16, q_frag);
   WarpState<D> st;
-  consume<C, D>(rows, range, q_frag, logit_multiplier<C>(p, w.kv_head), p.logits_soft_cap, first_tile, num_tiles,
+  consume<C, D>(consumer, rows, range, q_frag, logit_multiplier<C>(p, w.kv_head), p.logits_soft_cap, first_tile, num_tiles,
                 smem, st);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -303,8 +341,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     produce<C, D>(p, w, first_tile, num_tiles, hopper_smem + padding);
   } else {
     wgmma::claim_registers<kConsumerRegisters>();
-    consume_and_write<C, D>(p, ws, w, rows, warp_ranges + (warpgroup - 1) * (kWarpgroupThreads / 32), first_tile,
-                            num_tiles, smem_start + padding);
+    consume_and_write<C, D>(p, ws, w, rows, warpgroup - 1, warp_ranges + (warpgroup - 1) * (kWarpgroupThreads / 32),
+                            first_tile, num_tiles, smem_start + padding);
   }
 #endif
 }
