@@ -3,8 +3,9 @@
 // converted to 16-bit operands in the swizzled layout the tensor cores read; 16-bit tiles straight
 // into that layout) and hands it over through named barriers; two consumer warpgroups of 64 query
 // rows each compute S = Q K^T and O += P V as warpgroup MMAs with Q and P in registers, and the
-// softmax step of prefill.cuh between them, so one consumer's softmax overlaps the other's MMAs and
-// the producer's conversion overlaps both. Design: docs/cuda_prefill_design.md.
+// softmax step of prefill.cuh between them, pipelined one tile deep and taking turns (ping-pong) so
+// that softmax overlaps MMAs, while the producer's conversion overlaps both. Design:
+// docs/cuda_prefill_design.md.
 #pragma once
 
 #include "prefill.cuh"
@@ -74,6 +75,10 @@ __device__ __forceinline__ void convert_raw_tile(const uint8_t* raw, uint8_t* st
                               swizzled_operand_offset<D>(row % kKeys, chunk)) = half;
   }
 }
+
+// The producer is warpgroup 0 and stages tiles with the sm80 kernel's copy loop (stage_tile), written
+// for that kernel's 128 threads indexed by threadIdx.x.
+static_assert(prefill::kThreads == kWarpgroupThreads, "the producer warpgroup runs stage_tile");
 
 // The producer warpgroup: stages tiles first_tile, first_tile + kKeys, ... (num_tiles of them) and
 // publishes each on its stage's full barrier once its operands are in shared memory.
@@ -311,7 +316,10 @@ __device__ __forceinline__ void consume_and_write(const PagedAttentionParams& p,
 // below about 100.
 constexpr int kProducerRegisters = 104;
 constexpr int kConsumerRegisters = 200;
-static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumers * kConsumerRegisters) <= 65536, "register file");
+// setmaxnreg.inc waits until the registers are free: the split must fit what the launch allocated.
+static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumers * kConsumerRegisters) <=
+                  kThreads * (65536 / kThreads / 8 * 8),
+              "register split");
 
 // Grid as the sm80 kernel's (query tiles of kRows, splits, KV heads x head chunks), one CTA per SM.
 template <DType C, int D>
@@ -344,6 +352,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     consume_and_write<C, D>(p, ws, w, rows, warpgroup - 1, warp_ranges + (warpgroup - 1) * (kWarpgroupThreads / 32),
                             first_tile, num_tiles, smem_start + padding);
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // code for another architecture: the planner never launches it there
 #endif
 }
 
