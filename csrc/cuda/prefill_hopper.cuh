@@ -193,12 +193,7 @@ __device__ __forceinline__ void consume(int consumer, const LaneRows& rows, cons
       // K is K-major (dims contiguous): a step's 16 dims are 32 bytes into the swizzled rows of
       // region step / 4; 8-key groups are one swizzle period apart.
       const uint32_t at = key_smem + step / 4 * S::kRegionBytes + step % 4 * 32;
-      const uint64_t desc = wgmma::descriptor(at, 16, wgmma::kSwizzleAtomBytes);
-      if (step == 0) {
-        wgmma::mma<kBf16, 0, false>(s, q_frag[step], desc);
-      } else {
-        wgmma::mma<kBf16, 0, true>(s, q_frag[step], desc);
-      }
+      wgmma::mma<kBf16, 0>(s, q_frag[step], wgmma::descriptor(at, 16, wgmma::kSwizzleAtomBytes), step > 0);
     }
     wgmma::commit();
   };
@@ -209,7 +204,7 @@ __device__ __forceinline__ void consume(int consumer, const LaneRows& rows, cons
       // V is N-major (dims contiguous): keys 16kk .. are two 8-row groups one swizzle period apart,
       // dims 64h .. in region h.
       const uint32_t at = value_smem + kk * 16 * wgmma::kSwizzleRowBytes;
-      wgmma::mma<kBf16, 1, true>(st.acc, p[kk], wgmma::descriptor(at, S::kRegionBytes, wgmma::kSwizzleAtomBytes));
+      wgmma::mma<kBf16, 1>(st.acc, p[kk], wgmma::descriptor(at, S::kRegionBytes, wgmma::kSwizzleAtomBytes), true);
     }
     wgmma::commit();
   };
