@@ -44,6 +44,7 @@ struct Stages {
   // flight together; the producer converts into the third) and a raw ring of three (two tiles in
   // flight while one is converted). 16-bit: four operand stages, two held and two in flight.
   static constexpr int kStages = kFp8 ? 3 : 4;
+  static_assert(kFp8 || kStages >= 3, "16-bit tiles: at least one in flight besides the two held");
   static constexpr int kRawStages = kFp8 ? 3 : 0;
   static constexpr int kRawBytes = 2 * kKeys * D;  // row-major FP8 K rows, then V rows
   // + the alignment of the swizzled regions (the dynamic block follows the static one).
@@ -129,14 +130,18 @@ __device__ __forceinline__ void produce(const PagedAttentionParams& p, const Pre
       publish(k);
     }
   } else {
-    for (int k = 0; k < S::kStages - 1; ++k) {
+    // kStages - 2 tiles in flight: the stage refilled after publishing tile k is tile k - 2's, which
+    // the consumers release while working on tile k - 1 (refilling tile k - 1's stage would hold the
+    // publishing of tile k + 1 until both consumers are done with tile k - 1).
+    constexpr int kAhead = S::kStages - 2;
+    for (int k = 0; k < kAhead; ++k) {
       if (k < num_tiles) stage(k, smem + k * S::kStageBytes);
       copy_async_commit();
     }
     for (int k = 0; k < num_tiles; ++k) {
-      copy_async_wait<S::kStages - 2>();
+      copy_async_wait<kAhead - 1>();
       publish(k);
-      const int ahead = k + S::kStages - 1;
+      const int ahead = k + kAhead;
       if (ahead < num_tiles) {
         wait_empty(ahead);
         stage(ahead, smem + ahead % S::kStages * S::kStageBytes);
@@ -251,10 +256,21 @@ __device__ __forceinline__ void consume(int consumer, const LaneRows& rows, cons
     release(end - 1);
   };
 
+  if (kPingPong && num_tiles > 0 && consumer == 1) wgmma::barrier_arrive(kTurnBarrier, kPairThreads);
+  if (kPingPong && !(range.lo < range.hi)) {
+    // Only padding rows: the same turns and releases, without MMAs.
+    for (int k = 0; k < num_tiles; ++k) {
+      acquire(k);
+      take_turn();
+      pass_turn(false);
+      release(k);
+    }
+    if (num_tiles > 0) take_turn(), pass_turn(true);
+    return;
+  }
   for (int k = 0; k < begin; ++k) acquire(k), release(k);
   if (begin < end) {
     Fragments p0, p1;
-    if (kPingPong && consumer == 1) wgmma::barrier_arrive(kTurnBarrier, kPairThreads);
     acquire(begin);
     take_turn();
     wgmma::fence();
