@@ -3,8 +3,6 @@
 // multi-token (prefill.cuh) kernels.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -95,19 +93,6 @@ cudaError_t plan_decode(const PagedAttentionParams& p, AttentionPlan& plan) {
   return plan.ctas == 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
-// Which multi-token kernel to run: the planner's choice, or the one FP8KV_MULTI_TOKEN_KERNEL names
-// (to compare the kernels, or to rule one out); read at every call.
-enum class MultiTokenKernel { kAuto, kSm80, kSm90a, kInvalid };
-constexpr const char* kMultiTokenKernelVariable = "FP8KV_MULTI_TOKEN_KERNEL";
-
-MultiTokenKernel requested_multi_token_kernel() {
-  const char* value = std::getenv(kMultiTokenKernelVariable);
-  if (value == nullptr || std::strcmp(value, "") == 0 || std::strcmp(value, "auto") == 0) return MultiTokenKernel::kAuto;
-  if (std::strcmp(value, "sm80") == 0) return MultiTokenKernel::kSm80;
-  if (std::strcmp(value, "sm90a") == 0) return MultiTokenKernel::kSm90a;
-  return MultiTokenKernel::kInvalid;
-}
-
 // The sm_90a multi-token kernel runs on compute capability 9.0 devices when the build has sm_90a code.
 bool sm90a_device() {
 #ifdef FP8KV_SM90A
@@ -133,9 +118,9 @@ cudaError_t plan_prefill(const PagedAttentionParams& p, AttentionPlan& plan) {
   plan.deep_staging = prefill::use_deep_staging(p.num_query_tokens, group, p.num_seqs);
   // Short queries stay on the sm80 kernel: they are bound by memory, and it shares their few rows
   // among its warps. (paged_attention_unsupported has refused a request that cannot be met.)
-  switch (requested_multi_token_kernel()) {
-    case MultiTokenKernel::kSm80: plan.warp_specialized = false; break;
-    case MultiTokenKernel::kSm90a: plan.warp_specialized = true; break;
+  switch (gpu::requested_multi_token_kernel()) {
+    case gpu::MultiTokenKernel::kSm80: plan.warp_specialized = false; break;
+    case gpu::MultiTokenKernel::kSm90a: plan.warp_specialized = true; break;
     default: plan.warp_specialized = !plan.deep_staging && sm90a_kernel_runs(p);
   }
   const int64_t slots = cta_slots(dispatch<kAttentionCacheDTypes>(p.cache_dtype, 0, [&](auto cache) {
@@ -223,7 +208,7 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
   if (!pairs_aligned(p.out, p.out_token_stride, p.out_head_stride)) return "`out` rows must start on 4-byte boundaries";
   if (p.cu_seqlens_q != nullptr) {
     const MultiTokenKernel kernel = requested_multi_token_kernel();
-    if (kernel == MultiTokenKernel::kInvalid) {
+    if (kernel == MultiTokenKernel::kUnknown) {
       return std::string("environment variable ") + kMultiTokenKernelVariable +
              " must be unset, empty, \"auto\", \"sm80\" or \"sm90a\", got \"" + std::getenv(kMultiTokenKernelVariable) +
              "\"";
