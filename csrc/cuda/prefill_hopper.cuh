@@ -15,9 +15,9 @@ namespace fp8kv::cuda::prefill {
 namespace hopper {
 
 // Named barriers (16 per CTA, 0 is __syncthreads): full_barrier(c, s), the producer has filled stage s
-// for consumer c (one per consumer, so that the consumers need not meet at every tile); kEmpty + s,
-// both consumers are done with stage s; the producer warpgroup's own; kTurn + c, consumer c may issue
-// its MMAs (ping-pong).
+// for consumer c (one per consumer, so that the consumers need not meet at every tile); kEmptyBarrier
+// + s, both consumers are done with stage s; the producer warpgroup's own; kTurnBarrier + c, consumer
+// c may issue its MMAs (ping-pong).
 constexpr int kMaxStages = 4;
 constexpr int kEmptyBarrier = 1 + kConsumers * kMaxStages;
 constexpr int kProducerBarrier = kEmptyBarrier + kMaxStages;
@@ -45,10 +45,10 @@ struct Stages {
   // flight while one is converted). 16-bit: four operand stages, two held and two in flight.
   static constexpr int kStages = kFp8 ? 3 : 4;
   static_assert(kFp8 || kStages >= 3, "16-bit tiles: at least one in flight besides the two held");
+  static_assert(kStages <= kMaxStages, "a full and an empty barrier per stage");
   static constexpr int kRawStages = kFp8 ? 3 : 0;
   static constexpr int kRawBytes = 2 * kKeys * D;  // row-major FP8 K rows, then V rows
   // + the alignment of the swizzled regions (the dynamic block follows the static one).
-  static_assert(kStages <= kMaxStages, "a full and an empty barrier per stage");
   static constexpr int kSmemBytes = kStages * kStageBytes + kRawStages * kRawBytes + wgmma::kSwizzleAtomBytes;
 };
 
@@ -82,7 +82,7 @@ __device__ __forceinline__ void convert_raw_tile(const uint8_t* raw, uint8_t* st
 static_assert(prefill::kThreads == kWarpgroupThreads, "the producer warpgroup runs stage_tile");
 
 // The producer warpgroup: stages tiles first_tile, first_tile + kKeys, ... (num_tiles of them) and
-// publishes each on its stage's full barrier once its operands are in shared memory.
+// publishes each on both consumers' full barriers of its stage once its operands are in shared memory.
 template <DType C, int D>
 __device__ __forceinline__ void produce(const PagedAttentionParams& p, const PrefillWork& w, int first_tile,
                                        int num_tiles, uint8_t* smem) {
