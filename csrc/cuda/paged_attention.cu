@@ -93,21 +93,18 @@ cudaError_t plan_decode(const PagedAttentionParams& p, AttentionPlan& plan) {
   return plan.ctas == 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
-// The sm_90a multi-token kernel runs on compute capability 9.0 devices when the build has sm_90a code.
-bool sm90a_device() {
+// The sm_90a multi-token kernel runs p: its head size, a compute capability 9.0 device, a build with
+// sm_90a code.
+bool sm90a_kernel_runs(const PagedAttentionParams& p) {
 #ifdef FP8KV_SM90A
   int device = 0, major = 0, minor = 0;
-  return cudaGetDevice(&device) == cudaSuccess &&
+  return contains(prefill::hopper::kHeadSizes, p.head_size) && cudaGetDevice(&device) == cudaSuccess &&
          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
          cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess && major == 9 &&
          minor == 0;
 #else
   return false;
 #endif
-}
-
-bool sm90a_kernel_runs(const PagedAttentionParams& p) {
-  return contains(prefill::hopper::kHeadSizes, p.head_size) && sm90a_device();
 }
 
 // Multi-token: one CTA per (query tile of one sequence, split, KV head and head chunk). The tile
