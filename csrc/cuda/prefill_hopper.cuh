@@ -58,24 +58,35 @@ __device__ __forceinline__ uint32_t swizzled_operand_offset(int key, int chunk) 
   return chunk / 8 * (kKeys * wgmma::kSwizzleRowBytes) + wgmma::swizzled_offset(key, chunk % 8);
 }
 
-// Raw FP8 tile -> 16-bit operands of a stage, by the producer warpgroup: each thread converts
-// 8-value runs at a fixed chunk of the rows it strides over (K rows, then V rows).
+// A producer thread's share of one raw FP8 tile: 8-value runs at a fixed chunk of the rows it strides
+// over (K rows, then V rows), loaded into registers, then converted into the 16-bit operands of a
+// stage. Every load is issued before the first store (the compiler cannot tell the raw ring from the
+// stages and would wait out each load's latency in turn).
 template <DType C, int D>
-__device__ __forceinline__ void convert_raw_tile(const uint8_t* raw, uint8_t* stage) {
-  constexpr int kChunks = D / 8;
-  constexpr int kRowsPerPass = kWarpgroupThreads / kChunks;
-  const int chunk = threadIdx.x % kChunks, first_row = threadIdx.x / kChunks;
+struct RawTileShare {
+  static constexpr int kChunks = D / 8;
+  static constexpr int kRowsPerPass = kWarpgroupThreads / kChunks;
+  static constexpr int kPasses = 2 * kKeys / kRowsPerPass;
+  uint2 bytes[kPasses];
+
+  __device__ __forceinline__ int chunk() const { return threadIdx.x % kChunks; }
+  __device__ __forceinline__ int row(int pass) const { return threadIdx.x / kChunks + pass * kRowsPerPass; }
+
+  __device__ __forceinline__ void load(const uint8_t* raw) {
 #pragma unroll
-  for (int i = 0; i < 2 * kKeys / kRowsPerPass; ++i) {
-    const int row = first_row + i * kRowsPerPass;
-    const uint2 bytes = *reinterpret_cast<const uint2*>(raw + row * D + chunk * 8);
-    uint4 half;
-    convert_fp8x4<C>(bytes.x, half.x, half.y);
-    convert_fp8x4<C>(bytes.y, half.z, half.w);
-    *reinterpret_cast<uint4*>(stage + row / kKeys * Stages<C, D>::kOperandBytes +
-                              swizzled_operand_offset<D>(row % kKeys, chunk)) = half;
+    for (int i = 0; i < kPasses; ++i) bytes[i] = *reinterpret_cast<const uint2*>(raw + row(i) * D + chunk() * 8);
   }
-}
+  __device__ __forceinline__ void convert_into(uint8_t* stage) const {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      uint4 half;
+      convert_fp8x4<C>(bytes[i].x, half.x, half.y);
+      convert_fp8x4<C>(bytes[i].y, half.z, half.w);
+      *reinterpret_cast<uint4*>(stage + row(i) / kKeys * Stages<C, D>::kOperandBytes +
+                                swizzled_operand_offset<D>(row(i) % kKeys, chunk())) = half;
+    }
+  }
+};
 
 // The producer is warpgroup 0 and stages tiles with the sm80 kernel's copy loop (stage_tile), written
 // for that kernel's 128 threads indexed by threadIdx.x.
@@ -126,7 +137,9 @@ __device__ __forceinline__ void produce(const PagedAttentionParams& p, const Pre
       if (ahead < num_tiles) stage(ahead, raw + ahead % S::kRawStages * S::kRawBytes);
       copy_async_commit();
       wait_empty(k);
-      convert_raw_tile<C, D>(raw + k % S::kRawStages * S::kRawBytes, smem + k % S::kStages * S::kStageBytes);
+      RawTileShare<C, D> share;
+      share.load(raw + k % S::kRawStages * S::kRawBytes);
+      share.convert_into(smem + k % S::kStages * S::kStageBytes);
       publish(k);
     }
   } else {
