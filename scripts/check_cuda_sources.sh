@@ -14,9 +14,15 @@ out=$(mktemp -d); trap 'rm -rf "$out"' EXIT
 shopt -s nullglob
 for src in csrc/cuda/*.cu; do
   echo "nvcc: $src"
-  "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr --Werror all-warnings -c "$src" -o "$out/$(basename "$src").o" \
+  "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr --Werror all-warnings -DFP8KV_SM90A -c "$src" -o "$out/$(basename "$src").o" \
     -gencode=arch=compute_80,code=sm_80 -gencode=arch=compute_89,code=sm_89 \
-    -gencode=arch=compute_90a,code=sm_90a
+    -gencode=arch=compute_90a,code=sm_90a 2>&1 | tee "$out/nvcc.log"
+  # ptxas reports, as "info", warpgroup MMAs it had to serialize or fence around registers written
+  # while they were in flight (C75xx): a silent slowdown of the Hopper kernel, so an error here.
+  if grep -q "(C75" "$out/nvcc.log"; then
+    echo "error: ptxas serialized or fenced warpgroup MMAs in $src (see above)" >&2
+    exit 1
+  fi
 done
 # A CPU-only torch ships c10/cuda headers but not the one its CUDA build generates; supply it.
 mkdir -p "$out/shim/c10/cuda/impl"

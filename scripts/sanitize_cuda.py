@@ -6,10 +6,14 @@
 Covers cache write (vectorized and scalar paths, skipped slots), kv_amax, and paged attention for
 every cache format and head size, decode, verification and prefill (both stagings of the
 multi-token kernel), split-KV with its merge, persistent decode CTAs taking several work items, sliding window, soft cap, HND layout, partial last pages and block-table entries that are never read (-1).
+On compute capability 9.0, the warpgroup-MMA multi-token kernel also runs short queries (forced with
+FP8KV_MULTI_TOKEN_KERNEL=sm90a), whose CTAs are mostly padding rows, and 130-token chunks over 2000
+cached tokens (many tiles per CTA, split-KV).
 """
 
 import argparse
 import itertools
+import os
 
 import torch
 
@@ -88,6 +92,14 @@ def main():
                            hnd=(i + j) % 2 == 1, window=50 if j == 2 else -1, cap=20.0 if (i + j) % 3 == 0 else 0.0,
                            long=long)
             count += 1
+    if torch.cuda.get_device_capability() == (9, 0):
+        os.environ["FP8KV_MULTI_TOKEN_KERNEL"] = "sm90a"
+        for head, cache, queries in itertools.product([128] if args.small else [64, 128], [torch.float8_e4m3fn, None],
+                                                      ["verify", "prefill"]):
+            attention_case(head, 16, 4, cache, queries, hnd=cache is None, window=50 if cache is None else -1,
+                           cap=0.0 if cache is None else 20.0, long=True)
+            count += 1
+        del os.environ["FP8KV_MULTI_TOKEN_KERNEL"]
     for head in heads:  # decode with far more work items than resident CTAs: each CTA takes several
         attention_case(head, 16, 4, torch.float8_e4m3fn, "decode", hnd=False, window=-1, cap=0.0, long=False,
                        num_seqs=700)

@@ -138,6 +138,38 @@ def test_unsupported_head_size_is_named(head_size):
         inputs.run()
 
 
+def attention_inputs(head_size: int, q_lens: list[int] | None):
+    """One sequence of 40 cached tokens, GQA 4, e4m3fn: q_lens [30] (multi-token) or None (decode)."""
+    return make_paged_attention_inputs(
+        seq_lens=[40], q_lens=q_lens, num_heads=8, num_kv_heads=2, head_size=head_size, block_size=16,
+        cache_format="e4m3fn", query_dtype=torch.bfloat16, per_head_scales=False, device="cuda")
+
+
+def test_multi_token_kernel_variable_is_checked(monkeypatch):
+    inputs = attention_inputs(128, [30])
+    monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "sm75")
+    with pytest.raises(RuntimeError, match='FP8KV_MULTI_TOKEN_KERNEL must be unset, empty, "auto", "sm80" or '
+                                           '"sm90a", got "sm75"'):
+        inputs.run()
+    # Decode has one kernel: the variable does not concern it.
+    decode = attention_inputs(128, None)
+    assert_within(decode.run(), decode.reference(), "decode")
+    for value in ("", "auto", "sm80"):
+        monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", value)
+        assert_within(inputs.run(), inputs.reference(), f"FP8KV_MULTI_TOKEN_KERNEL={value!r}")
+
+
+def test_sm90a_kernel_request_that_cannot_run_is_refused(monkeypatch):
+    monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "sm90a")
+    inputs = attention_inputs(96, [30])
+    with pytest.raises(RuntimeError, match=r"FP8KV_MULTI_TOKEN_KERNEL=sm90a needs .* head_size one of 64, 128 "
+                                           r"\(got 96\)"):
+        inputs.run()
+    if torch.cuda.get_device_capability() != (9, 0):
+        with pytest.raises(RuntimeError, match="compute capability 9.0 device"):
+            attention_inputs(128, [30]).run()
+
+
 @pytest.mark.parametrize("multi_token", [False, True])
 def test_block_table_without_columns_is_refused(multi_token):
     # The CPU kernels accept it (decode writes zeros); the CUDA planner sizes splits from the

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import pytest
 import torch
@@ -73,12 +74,31 @@ VARLEN_CASES = covering_grid(
      "soft_cap": [False, True], "strided": [False, True]})
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda:sm80", marks=pytest.mark.gpu),
+                        pytest.param("cuda:sm90a", marks=pytest.mark.gpu)])
+def multi_token_device(request, monkeypatch) -> str:
+    """The device for a multi-token case; on CUDA each of the two kernels in turn (chosen with
+    FP8KV_MULTI_TOKEN_KERNEL): the sm80 one on every GPU, the warpgroup-MMA one on compute
+    capability 9.0."""
+    device, _, kernel = request.param.partition(":")
+    if kernel:
+        if kernel == "sm90a" and torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the sm90a multi-token kernel runs on compute capability 9.0 only")
+        monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", kernel)
+    return device
+
+
 def sliding_window(case: dict) -> int:
     """A window that starts mid-block and leaves whole blocks of the longer sequences behind it."""
     return case["block_size"] + 5 if case["window"] else -1
 
 
+SM90A_HEAD_SIZES = [64, 128]  # the head sizes of the warpgroup-MMA multi-token kernel
+
+
 def run_case(case: dict, seq_lens: list[int], q_lens: list[int] | None, device: str, seed: int) -> None:
+    if os.environ.get("FP8KV_MULTI_TOKEN_KERNEL") == "sm90a" and case["head_size"] not in SM90A_HEAD_SIZES:
+        pytest.skip(f"the sm90a multi-token kernel has head sizes {SM90A_HEAD_SIZES}")
     inputs = make_paged_attention_inputs(
         seq_lens=seq_lens, q_lens=q_lens, num_heads=NUM_KV_HEADS * case["gqa"], num_kv_heads=NUM_KV_HEADS,
         head_size=case["head_size"], block_size=case["block_size"], cache_format=case["cache_format"],
@@ -101,7 +121,7 @@ def test_decode(device, case):
 
 
 @pytest.mark.parametrize("case", VARLEN_CASES, ids=case_id)
-def test_varlen_causal(device, case):
+def test_varlen_causal(multi_token_device, case):
     """Multi-token queries (cu_seqlens_q): a one-token prompt, a whole 20-token prompt (more rows
     than one CPU work chunk), a chunked-prefill continuation, a sequence with no query rows,
     and a long sequence with 17 new tokens."""
@@ -109,7 +129,25 @@ def test_varlen_causal(device, case):
     b = case["block_size"]
     seq_lens = [1, 20, 2 * b + 7, b, 3 * b + 11]
     q_lens = [1, 20, 5, 0, 17]
-    run_case(case, seq_lens, q_lens, device, seed=1000 + index)
+    run_case(case, seq_lens, q_lens, multi_token_device, seed=1000 + index)
+
+
+LONG_PROMPT_CASES = covering_grid(
+    {"cache_format": CACHE_FORMATS, "head_size": [64, 128, 96], "gqa": [1, 4]},
+    {"block_size": [16, 32, 128], "dtype": list(QUERY_DTYPES), "per_head": [False, True], "layout": CACHE_LAYOUTS,
+     "window": [False, True], "soft_cap": [False, True], "strided": [False, True]})
+
+
+@pytest.mark.parametrize("case", LONG_PROMPT_CASES, ids=case_id)
+def test_long_prompts(multi_token_device, case):
+    """Prompts long enough for many key tiles per CTA and several query tiles per sequence (on an
+    H100 at head sizes 64 and 128, the warp-specialized kernel with both consumer warpgroups): a
+    whole 300-token prompt, a 190-token chunk continuing 450 cached tokens, a decode row, and a lone
+    64-token chunk over 1500 cached tokens, whose few CTAs split the context."""
+    index = LONG_PROMPT_CASES.index(case)
+    seq_lens = [300, 640 + index % 7, 1, 1564]
+    q_lens = [300, 190, 1, 64]
+    run_case(case, seq_lens, q_lens, multi_token_device, seed=5000 + index)
 
 
 VERIFY_CASES = covering_grid(
@@ -120,14 +158,14 @@ VERIFY_CASES = covering_grid(
 
 
 @pytest.mark.parametrize("case", VERIFY_CASES, ids=case_id)
-def test_speculative_verification(device, case):
+def test_speculative_verification(multi_token_device, case):
     """q_len draft tokens per sequence (2, 4, 8) over caches of different lengths, next to a plain
     decode row: each draft token sees the cache up to itself."""
     index = VERIFY_CASES.index(case)
     b, q = case["block_size"], case["q_len"]
     seq_lens = [q, 3 * b + 5 + 7 * (index % 5), 1, 5 * b + 1]
     q_lens = [q, q, 1, q]
-    run_case(case, seq_lens, q_lens, device, seed=3000 + index)
+    run_case(case, seq_lens, q_lens, multi_token_device, seed=3000 + index)
 
 
 @pytest.mark.parametrize("cache_format", CACHE_FORMATS)

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "decode.cuh"
-#include "prefill.cuh"
+#include "prefill_hopper.cuh"
 
 #define FP8KV_INSTANTIATE_ATTENTION(CACHE)                                                                        \
   namespace fp8kv::cuda {                                                                                         \
@@ -12,5 +12,5 @@
   template int decode::resident_ctas<CACHE>(const AttentionPlan&, int, int);                                      \
   template cudaError_t prefill::launch<CACHE>(const PagedAttentionParams&, const AttentionPlan&,                  \
                                               const SplitWorkspace&, cudaStream_t);                               \
-  template int prefill::resident_ctas<CACHE>(int, bool);                                                          \
+  template int prefill::resident_ctas<CACHE>(int, bool, bool);                                                     \
   }

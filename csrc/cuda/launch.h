@@ -36,7 +36,7 @@ template <DType C>
 cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
                    cudaStream_t stream);
 template <DType C>
-int resident_ctas(int head_size, bool deep_staging);
+int resident_ctas(int head_size, bool deep_staging, bool warp_specialized);
 }  // namespace prefill
 
 }  // namespace fp8kv::cuda

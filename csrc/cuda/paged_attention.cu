@@ -93,17 +93,39 @@ cudaError_t plan_decode(const PagedAttentionParams& p, AttentionPlan& plan) {
   return plan.ctas == 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
+// The sm_90a multi-token kernel runs p: its head size, a compute capability 9.0 device, a build with
+// sm_90a code.
+bool sm90a_kernel_runs(const PagedAttentionParams& p) {
+#ifdef FP8KV_SM90A
+  int device = 0, major = 0, minor = 0;
+  return contains(prefill::hopper::kHeadSizes, p.head_size) && cudaGetDevice(&device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess && major == 9 &&
+         minor == 0;
+#else
+  return false;
+#endif
+}
+
 // Multi-token: one CTA per (query tile of one sequence, split, KV head and head chunk). The tile
 // count is bounded from host shapes (each sequence wastes at most one partial tile); CTAs past the
 // real count exit at once.
 cudaError_t plan_prefill(const PagedAttentionParams& p, AttentionPlan& plan) {
   const int group = p.num_heads / p.num_kv_heads;
   plan.deep_staging = prefill::use_deep_staging(p.num_query_tokens, group, p.num_seqs);
+  // Short queries stay on the sm80 kernel: they are bound by memory, and it shares their few rows
+  // among its warps. (paged_attention_unsupported has refused a request that cannot be met.)
+  switch (gpu::requested_multi_token_kernel()) {
+    case gpu::MultiTokenKernel::kSm80: plan.warp_specialized = false; break;
+    case gpu::MultiTokenKernel::kSm90a: plan.warp_specialized = true; break;
+    default: plan.warp_specialized = !plan.deep_staging && sm90a_kernel_runs(p);
+  }
   const int64_t slots = cta_slots(dispatch<kAttentionCacheDTypes>(p.cache_dtype, 0, [&](auto cache) {
-    return prefill::resident_ctas<decltype(cache)::value>(p.head_size, plan.deep_staging);
+    return prefill::resident_ctas<decltype(cache)::value>(p.head_size, plan.deep_staging, plan.warp_specialized);
   }));
   if (slots == 0) return cudaErrorInvalidConfiguration;
-  const prefill::RowMap map = prefill::RowMap::make(group);
+  const prefill::RowMap map =
+      prefill::RowMap::make(group, plan.warp_specialized ? prefill::hopper::kRows : prefill::kRows);
   const int64_t packed_tiles = (p.num_query_tokens + map.tokens_per_tile - 1) / map.tokens_per_tile;
   plan.row_chunks = packed_tiles + p.num_seqs;
   if (plan.row_chunks > INT32_MAX) return cudaErrorInvalidValue;
@@ -181,11 +203,24 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
     return "`query` rows must start on 4-byte boundaries";
   }
   if (!pairs_aligned(p.out, p.out_token_stride, p.out_head_stride)) return "`out` rows must start on 4-byte boundaries";
+  if (p.cu_seqlens_q != nullptr) {
+    const MultiTokenKernel kernel = requested_multi_token_kernel();
+    if (kernel == MultiTokenKernel::kUnknown) {
+      return std::string("environment variable ") + kMultiTokenKernelVariable +
+             " must be unset, empty, \"auto\", \"sm80\" or \"sm90a\", got \"" + std::getenv(kMultiTokenKernelVariable) +
+             "\"";
+    }
+    if (kernel == MultiTokenKernel::kSm90a && !sm90a_kernel_runs(p)) {
+      return std::string(kMultiTokenKernelVariable) + "=sm90a needs fp8kv built with sm_90a code, a compute "
+             "capability 9.0 device and head_size one of " + format_list(prefill::hopper::kHeadSizes) + " (got " +
+             std::to_string(p.head_size) + ")";
+    }
+  }
   return "";
 }
 
 cudaError_t plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* plan) {
-  *plan = AttentionPlan{1, 0, 0, 0, false, 0};
+  *plan = AttentionPlan{1, 0, 0, 0, false, 0, false};
   if (nothing_to_do(p)) return cudaSuccess;
   const cudaError_t status = p.cu_seqlens_q == nullptr ? plan_decode(p, *plan) : plan_prefill(p, *plan);
   plan->workspace_bytes = partials_bytes(p, *plan) + (p.cu_seqlens_q == nullptr ? sizeof(int) : 0);

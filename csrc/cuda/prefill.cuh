@@ -1,6 +1,7 @@
 // CUDA paged attention for multi-token queries (prefill, chunked prefill, speculative verification):
-// FlashAttention-2-style tiles over the paged FP8 (or 16-bit) cache. Design: docs/cuda_prefill_design.md.
-// Instantiated per cache format by paged_attention_<format>.cu, next to the decode kernel.
+// FlashAttention-2-style tiles over the paged FP8 (or 16-bit) cache with mma.sync, the kernel for
+// every GPU before Hopper and for short queries; and the pieces the Hopper kernel shares with it (row
+// planning, page staging, the softmax step, the epilogue). Design: docs/cuda_prefill_design.md.
 #pragma once
 #include <algorithm>
 #include <climits>
@@ -23,7 +24,6 @@ struct Tile {
   static constexpr int kChunks = D / 8;               // 16-byte chunks of a 16-bit row
   static constexpr int kRowBytes = (kChunks + 7) / 8 * 8 * 16;
   static constexpr int kOperandBytes = kKeys * kRowBytes;  // one of K, V
-  static constexpr int kCopyChunks = D * CacheTraits<C>::kElemBytes / 16;  // 16-byte copies per cache row
   static constexpr int kStages = kStageCount;  // kStages - 1 tiles in flight while one is attended
   static constexpr int kStageBytes = kFp8 ? 2 * kKeys * D : 2 * kOperandBytes;
   static constexpr int kSmemBytes = kStages * kStageBytes + (kFp8 ? 2 * kOperandBytes : 0);
@@ -38,15 +38,17 @@ __device__ __forceinline__ unsigned operand_offset(unsigned row, unsigned chunk)
 
 // Finds the CTA's query tile among all sequences' tiles (ceil(q_len / tokens_per_tile) each, in
 // sequence order) with a block-wide scan of cu_seqlens_q. Returns false past the last tile.
-// Called by every thread of the CTA.
+// Called by every thread of the CTA (kCtaThreads of them).
+template <int kCtaThreads>
 __device__ __forceinline__ bool find_query_tile(const int32_t* cu_seqlens_q, int num_seqs, int tokens_per_tile,
                                                 int tile, int& seq, int& tile_in_seq) {
-  __shared__ int warp_totals[kWarps];
+  constexpr int kCtaWarps = kCtaThreads / 32;
+  __shared__ int warp_totals[kCtaWarps];
   __shared__ int found[2];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (threadIdx.x == 0) found[0] = -1;
   int base = 0;  // tiles of the sequences before this chunk of sequences
-  for (int start = 0; start < num_seqs; start += kThreads) {
+  for (int start = 0; start < num_seqs; start += kCtaThreads) {
     const int i = start + threadIdx.x;
     const int q_len = i < num_seqs ? __ldg(cu_seqlens_q + i + 1) - __ldg(cu_seqlens_q + i) : 0;
     const int tiles = max(0, (q_len + tokens_per_tile - 1) / tokens_per_tile);
@@ -60,7 +62,7 @@ __device__ __forceinline__ bool find_query_tile(const int32_t* cu_seqlens_q, int
     __syncthreads();
     int first = base + inclusive - tiles, total = 0;
 #pragma unroll
-    for (int x = 0; x < kWarps; ++x) {
+    for (int x = 0; x < kCtaWarps; ++x) {
       if (x < warp) first += warp_totals[x];
       total += warp_totals[x];
     }
@@ -94,18 +96,21 @@ struct PrefillWork {
   int interior_lo, interior_hi;  // positions every row of this warp sees (no mask needed)
 };
 
-// Fills the lane's rows and the CTA's / warp's position ranges. Returns false when the CTA has
-// nothing to do (past the last tile). Called by every thread of the CTA.
-__device__ __forceinline__ bool plan_prefill_cta(const PagedAttentionParams& p, int split, int split_tokens,
+// Fills the lane's rows (those of `warp`, the warp's index among the CTA's kCtaRows / 16 row-owning
+// warps) and the CTA's / warp's position ranges. Returns false when the CTA has nothing to do (past
+// the last tile). Called by every thread of the CTA (kCtaThreads of them). kShareShortRows: a CTA
+// with at most 16 rows gives them to every warp (PrefillWork::shared_rows).
+template <int kCtaRows, int kCtaThreads, bool kShareShortRows>
+__device__ __forceinline__ bool plan_prefill_cta(const PagedAttentionParams& p, int split, int split_tokens, int warp,
                                                  PrefillWork& w, LaneRows& rows) {
   const int group = p.num_heads / p.num_kv_heads;
-  const RowMap map = RowMap::make(group);
+  const RowMap map = RowMap::make(group, kCtaRows);
   const int head_chunk = blockIdx.z % map.head_chunks;
   w.kv_head = blockIdx.z / map.head_chunks;
   int tile_in_seq = 0;
   // Tiles in reverse order: in a causal sequence the later tiles have the most keys, so they start first.
-  if (!find_query_tile(p.cu_seqlens_q, p.num_seqs, map.tokens_per_tile, gridDim.x - 1 - blockIdx.x, w.seq,
-                       tile_in_seq)) {
+  if (!find_query_tile<kCtaThreads>(p.cu_seqlens_q, p.num_seqs, map.tokens_per_tile, gridDim.x - 1 - blockIdx.x,
+                                    w.seq, tile_in_seq)) {
     return false;
   }
   const int first_token = __ldg(p.cu_seqlens_q + w.seq);
@@ -119,8 +124,8 @@ __device__ __forceinline__ bool plan_prefill_cta(const PagedAttentionParams& p, 
   w.lo = max(keys(j0).begin, split_lo);
   w.hi = min(keys(j0 + tokens - 1).end, split_hi);
 
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  w.shared_rows = tokens * map.heads_per_tile <= kWarpRows;
+  const int lane = threadIdx.x % 32;
+  w.shared_rows = kShareShortRows && tokens * map.heads_per_tile <= kWarpRows;
   int lo_min = INT_MAX, hi_max = INT_MIN, lo_max = INT_MIN, hi_min = INT_MAX;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -146,23 +151,26 @@ __device__ __forceinline__ bool plan_prefill_cta(const PagedAttentionParams& p, 
 }
 
 // Issues the cp.async copies of the K and V rows of tile [tile_start, tile_start + kKeys) into a
-// stage. Positions outside [w.lo, w.hi) and pages outside [0, num_blocks) are zero-filled, never read.
-template <DType C, int D>
+// stage, by kThreads threads: 16-byte copy `chunk` of key row `key` lands at stage + dst(key, chunk),
+// its V row's at value_offset past it. Positions outside [w.lo, w.hi) and pages outside
+// [0, num_blocks) are zero-filled, never read.
+template <DType C, int D, int kKeys, typename Dst>
 __device__ __forceinline__ void stage_tile(const PagedAttentionParams& p, const PrefillWork& w,
-                                           const int32_t* table_row, int tile_start, uint8_t* stage) {
-  using T = Tile<C, D>;
+                                           const int32_t* table_row, int tile_start, uint8_t* stage, Dst&& dst,
+                                           int value_offset) {
   constexpr int kElemBytes = CacheTraits<C>::kElemBytes;
+  constexpr int kCopyChunks = D * kElemBytes / 16;  // 16-byte copies per cache row
   const int block_shift = __ffs(p.block_size) - 1;
   const auto* key_base = static_cast<const uint8_t*>(p.key_cache.data) +
                          static_cast<int64_t>(w.kv_head) * p.key_cache.head_stride * kElemBytes;
   const auto* value_base = static_cast<const uint8_t*>(p.value_cache.data) +
                            static_cast<int64_t>(w.kv_head) * p.value_cache.head_stride * kElemBytes;
-  constexpr int kItems = T::kKeys * T::kCopyChunks;
+  constexpr int kItems = kKeys * kCopyChunks;
 #pragma unroll
   for (int i = 0; i < (kItems + kThreads - 1) / kThreads; ++i) {
     const int item = threadIdx.x + i * kThreads;
     if (kItems % kThreads != 0 && item >= kItems) break;
-    const int key = item / T::kCopyChunks, chunk = item % T::kCopyChunks;
+    const int key = item / kCopyChunks, chunk = item % kCopyChunks;
     const int pos = tile_start + key;
     const int page = pos >= w.lo && pos < w.hi ? __ldg(table_row + (pos >> block_shift)) : -1;
     // Entries outside [0, num_blocks) are reported in debug-check mode; here they read as zeros.
@@ -173,16 +181,9 @@ __device__ __forceinline__ void stage_tile(const PagedAttentionParams& p, const 
                                             kElemBytes + chunk * 16;
     const uint8_t* value_src = value_base + (safe_page * p.value_cache.block_stride +
                                              in_page * p.value_cache.token_stride) * kElemBytes + chunk * 16;
-    int key_dst, value_dst;
-    if constexpr (T::kFp8) {
-      key_dst = key * D + chunk * 16;
-      value_dst = T::kKeys * D + key_dst;
-    } else {
-      key_dst = operand_offset<T::kRowBytes>(key, chunk);
-      value_dst = T::kOperandBytes + key_dst;
-    }
+    const int key_dst = dst(key, chunk);
     copy_async<16>(stage + key_dst, key_src, valid);
-    copy_async<16>(stage + value_dst, value_src, valid);
+    copy_async<16>(stage + key_dst + value_offset, value_src, valid);
   }
 }
 
@@ -232,6 +233,86 @@ __device__ __forceinline__ void pipelined(Load&& load, Use&& use) {
   }
 }
 
+// One tile's online-softmax step for the lane's two rows, shared by both multi-token kernels: S (the
+// mma accumulators of Q K^T for keys tile_start .. tile_start + 8 kKeyTiles - 1) is scaled, soft-capped
+// and masked to each row's visible keys (unless `interior`), the running max and sum move, and P
+// leaves as the A fragments of O += P V (keys 16kk .. 16kk + 15). O itself is left to the caller
+// (rescale_output with `rescale`), which may still have an MMA writing it.
+template <bool kBf16, int D, int kKeyTiles>
+__device__ __forceinline__ void softmax_step(float (&s)[kKeyTiles][4], WarpState<D>& st, const LaneRows& rows,
+                                             int tile_start, bool interior, float logit_multiplier, float soft_cap,
+                                             uint32_t (&p_frag)[kKeyTiles / 2][4], float (&rescale)[2]) {
+  const int t = threadIdx.x % 4;
+  // s[j][i]: row g + 8 * (i / 2), key tile_start + 8j + 2t + i % 2. The branches are around whole
+  // loops: a branch per element keeps the compiler from interleaving the elements' arithmetic.
+  if (soft_cap > 0.f) {
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[j][i] = soft_capped(s[j][i] * logit_multiplier, soft_cap);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[j][i] *= logit_multiplier;
+    }
+  }
+  if (!interior) {
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int pos = tile_start + 8 * j + 2 * t + i % 2;
+        if (!(pos >= rows.lo[i / 2] && pos < rows.hi[i / 2])) s[j][i] = -INFINITY;
+      }
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) tile_max = fmaxf(tile_max, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    // Lazy rescale, as in the decode kernel: P may grow to 2^kRescaleSlack before the max moves.
+    rescale[h] = 1.f;
+    if (tile_max > st.row_max[h] + kRescaleSlack) {
+      rescale[h] = fast_exp2(st.row_max[h] - tile_max);  // 0 when the old max is -inf
+      st.row_sum[h] *= rescale[h];
+      st.row_max[h] = tile_max;
+    }
+    // A row with no visible key so far keeps row_max = -inf: its probabilities are exp2(-inf) = 0.
+    const float reference = st.row_max[h] == -INFINITY ? 0.f : st.row_max[h];
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) {
+      s[j][2 * h] = fast_exp2(s[j][2 * h] - reference);
+      s[j][2 * h + 1] = fast_exp2(s[j][2 * h + 1] - reference);
+      st.row_sum[h] += s[j][2 * h] + s[j][2 * h + 1];
+    }
+  }
+
+#pragma unroll
+  for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
+    p_frag[kk][0] = pack_pair<kBf16>(s[2 * kk][0], s[2 * kk][1]);
+    p_frag[kk][1] = pack_pair<kBf16>(s[2 * kk][2], s[2 * kk][3]);
+    p_frag[kk][2] = pack_pair<kBf16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    p_frag[kk][3] = pack_pair<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+  }
+}
+
+// O's rows times the factors softmax_step returned (rows whose max did not move are left alone).
+template <int kTiles>
+__device__ __forceinline__ void rescale_output(OnlineSoftmax<kTiles>& st, const float (&rescale)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (rescale[h] != 1.f) {
+#pragma unroll
+      for (int n = 0; n < kTiles; ++n) st.acc[n][2 * h] *= rescale[h], st.acc[n][2 * h + 1] *= rescale[h];
+    }
+  }
+}
+
 // kKeys: the keys this warp attends to (the whole tile, or its slice with shared rows), starting at
 // key_smem / value_smem and at cache position tile_start.
 template <DType C, int D, int kKeys>
@@ -241,7 +322,7 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&q_frag)[D / 16][4],
   using T = Tile<C, D>;
   constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
   constexpr int kKeyTiles = kKeys / 8;
-  const int lane = threadIdx.x % 32, t = lane % 4;
+  const int lane = threadIdx.x % 32;
   const int m = lane / 8, r = lane % 8;  // ldmatrix: lane supplies row r of matrix m
 
   float s[kKeyTiles][4];
@@ -263,56 +344,14 @@ __device__ __forceinline__ void attend_tile(const uint32_t (&q_frag)[D / 16][4],
         mma_16x8x16<kBf16>(s[j + 1], q_frag[step], b[2], b[3]);
       });
 
-  // s[j][i]: row g + 8 * (i / 2), key tile_start + 8j + 2t + i % 2.
-#pragma unroll
-  for (int j = 0; j < kKeyTiles; ++j) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float x = soft_capped(s[j][i] * logit_multiplier, soft_cap);
-      if (!interior) {
-        const int pos = tile_start + 8 * j + 2 * t + i % 2;
-        if (!(pos >= rows.lo[i / 2] && pos < rows.hi[i / 2])) x = -INFINITY;
-      }
-      s[j][i] = x;
-    }
-  }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float tile_max = -INFINITY;
-#pragma unroll
-    for (int j = 0; j < kKeyTiles; ++j) tile_max = fmaxf(tile_max, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    // Lazy rescale, as in the decode kernel: P may grow to 2^kRescaleSlack before the max moves.
-    if (tile_max > st.row_max[h] + kRescaleSlack) {
-      const float rescale = fast_exp2(st.row_max[h] - tile_max);  // 0 when the old max is -inf
-      st.row_sum[h] *= rescale;
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n) st.acc[n][2 * h] *= rescale, st.acc[n][2 * h + 1] *= rescale;
-      st.row_max[h] = tile_max;
-    }
-    // A row with no visible key so far keeps row_max = -inf: its probabilities are exp2(-inf) = 0.
-    const float reference = st.row_max[h] == -INFINITY ? 0.f : st.row_max[h];
-#pragma unroll
-    for (int j = 0; j < kKeyTiles; ++j) {
-      s[j][2 * h] = fast_exp2(s[j][2 * h] - reference);
-      s[j][2 * h + 1] = fast_exp2(s[j][2 * h + 1] - reference);
-      st.row_sum[h] += s[j][2 * h] + s[j][2 * h + 1];
-    }
-  }
+  uint32_t p_frag[kKeys / 16][4];
+  float rescale[2];
+  softmax_step<kBf16, D>(s, st, rows, tile_start, interior, logit_multiplier, soft_cap, p_frag, rescale);
+  rescale_output(st, rescale);
 
-  // O += P V: P's accumulator layout is the A fragment of the next mma (keys 16kk .. 16kk + 15);
-  // V fragments by transposing ldmatrix: matrices (keys 16kk.., chunk n), (16kk+8.., n), (16kk.., n+1), (16kk+8.., n+1).
+  // O += P V, V fragments by transposing ldmatrix: matrices (keys 16kk.., chunk n), (16kk+8.., n), (16kk.., n+1), (16kk+8.., n+1).
   const uint32_t value_lane = value_smem + (8 * (m % 2) + r) * T::kRowBytes;
   const int value_swizzle = (m / 2) ^ r;
-  uint32_t p_frag[kKeys / 16][4];
-#pragma unroll
-  for (int kk = 0; kk < kKeys / 16; ++kk) {
-    p_frag[kk][0] = pack_pair<kBf16>(s[2 * kk][0], s[2 * kk][1]);
-    p_frag[kk][1] = pack_pair<kBf16>(s[2 * kk][2], s[2 * kk][3]);
-    p_frag[kk][2] = pack_pair<kBf16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    p_frag[kk][3] = pack_pair<kBf16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-  }
   constexpr int kDimPairs = D / 16;  // item i = (kk, n / 2)
   pipelined<kKeys / 16 * kDimPairs>(
       [&](int i, uint32_t (&b)[4]) {
@@ -405,10 +444,23 @@ __device__ __forceinline__ void attend_cta(const PagedAttentionParams& p, const 
 
   const int first_tile = w.lo / T::kKeys * T::kKeys;
   const int num_tiles = w.hi > w.lo ? (w.hi - first_tile + T::kKeys - 1) / T::kKeys : 0;
+  // FP8 tiles land raw (row-major), 16-bit ones in operand layout.
+  auto stage = [&](int tile, uint8_t* dst) {
+    if constexpr (T::kFp8) {
+      stage_tile<C, D, T::kKeys>(
+          p, w, table_row, first_tile + tile * T::kKeys, dst, [](int key, int chunk) { return key * D + chunk * 16; },
+          T::kKeys * D);
+    } else {
+      stage_tile<C, D, T::kKeys>(
+          p, w, table_row, first_tile + tile * T::kKeys, dst,
+          [](int key, int chunk) { return static_cast<int>(operand_offset<T::kRowBytes>(key, chunk)); },
+          T::kOperandBytes);
+    }
+  };
   // Keep kStages - 1 tiles in flight; every iteration commits one (possibly empty) copy group.
 #pragma unroll
   for (int k = 0; k < T::kStages - 1; ++k) {
-    if (k < num_tiles) stage_tile<C, D>(p, w, table_row, first_tile + k * T::kKeys, smem + k * T::kStageBytes);
+    if (k < num_tiles) stage(k, smem + k * T::kStageBytes);
     copy_async_commit();
   }
   for (int k = 0; k < num_tiles; ++k) {
@@ -418,7 +470,7 @@ __device__ __forceinline__ void attend_cta(const PagedAttentionParams& p, const 
     __syncthreads();
     const int ahead = k + T::kStages - 1;
     if (ahead < num_tiles) {
-      stage_tile<C, D>(p, w, table_row, first_tile + ahead * T::kKeys, smem + (ahead % T::kStages) * T::kStageBytes);
+      stage(ahead, smem + (ahead % T::kStages) * T::kStageBytes);
     }
     copy_async_commit();
     uint32_t key_smem;
@@ -476,7 +528,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, kStages))
 
   PrefillWork w;
   LaneRows rows;
-  if (!plan_prefill_cta(p, split, split_tokens, w, rows)) return;
+  if (!plan_prefill_cta<kRows, kThreads, true>(p, split, split_tokens, warp, w, rows)) return;
   const bool query_bf16 = p.query_dtype == DType::kBFloat16;  // also the output's
   uint32_t q_frag[D / 16][4];
   load_query<C, D>(p, rows, t, query_bf16, q_frag);
@@ -499,15 +551,21 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, kStages))
   write_rows<C, D>(p, ws, split, w, rows, t, query_bf16, st);
 }
 
+// After a multi-token kernel's launch: its status, or the merge's when there are splits to merge.
+inline cudaError_t merge_splits(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
+                                cudaStream_t stream) {
+  const cudaError_t status = cudaGetLastError();
+  return status != cudaSuccess || plan.num_splits == 1 ? status : merge::launch(p, ws, stream);
+}
+
 template <DType C, int D, int kStages>
 cudaError_t launch_variant(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
                            cudaStream_t stream) {
-  const RowMap map = RowMap::make(p.num_heads / p.num_kv_heads);
+  const RowMap map = RowMap::make(p.num_heads / p.num_kv_heads, kRows);
   const dim3 grid(static_cast<unsigned>(plan.row_chunks), static_cast<unsigned>(plan.num_splits),
                   static_cast<unsigned>(p.num_kv_heads * map.head_chunks));
   prefill_kernel<C, D, kStages><<<grid, kThreads, Tile<C, D, kStages>::kSmemBytes, stream>>>(p, ws, plan.split_tokens);
-  const cudaError_t status = cudaGetLastError();
-  return status != cudaSuccess || plan.num_splits == 1 ? status : merge::launch(p, ws, stream);
+  return merge_splits(p, plan, ws, stream);
 }
 
 inline constexpr int kStagings[] = {kShallowStages, kDeepStages};
@@ -522,15 +580,15 @@ Result dispatch_variant(int head_size, bool deep_staging, Result unsupported, Fn
 }
 
 template <DType C>
-cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
-                   cudaStream_t stream) {
+cudaError_t launch_sm80(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
+                        cudaStream_t stream) {
   return dispatch_variant(p.head_size, plan.deep_staging, cudaErrorInvalidValue, [&](auto head, auto stages) {
     return launch_variant<C, decltype(head)::value, decltype(stages)::value>(p, plan, ws, stream);
   });
 }
 
 template <DType C>
-int resident_ctas(int head_size, bool deep_staging) {
+int resident_ctas_sm80(int head_size, bool deep_staging) {
   return dispatch_variant(head_size, deep_staging, 0, [](auto head, auto stages) {
     constexpr int kSmemBytes = Tile<C, decltype(head)::value, decltype(stages)::value>::kSmemBytes;
     return cuda::resident_ctas(

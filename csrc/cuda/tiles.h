@@ -92,20 +92,33 @@ inline bool use_deep_staging(int64_t num_query_tokens, int group, int num_seqs) 
 }
 
 // How a CTA's rows map to (query token, query head): the heads of one KV head's group vary
-// fastest, so every K/V tile read from the cache serves all of them.
+// fastest, so every K/V tile read from the cache serves all of them. `rows`: query rows per CTA.
 struct RowMap {
-  int heads_per_tile;   // min(group, kRows)
+  int heads_per_tile;   // min(group, rows)
   int head_chunks;      // ceil(group / heads_per_tile)
-  int tokens_per_tile;  // kRows / heads_per_tile
+  int tokens_per_tile;  // rows / heads_per_tile
 
-  __host__ __device__ static RowMap make(int group) {
+  __host__ __device__ static RowMap make(int group, int rows) {
     RowMap m;
-    m.heads_per_tile = group < kRows ? group : kRows;
+    m.heads_per_tile = group < rows ? group : rows;
     m.head_chunks = (group + m.heads_per_tile - 1) / m.heads_per_tile;
-    m.tokens_per_tile = kRows / m.heads_per_tile;
+    m.tokens_per_tile = rows / m.heads_per_tile;
     return m;
   }
 };
+
+// The warp-specialized kernel for sm_90a (prefill_hopper.cuh): one producer warpgroup copies and
+// converts K/V tiles, two consumer warpgroups of 64 query rows each run warpgroup MMAs on them.
+namespace hopper {
+constexpr int kWarpgroupThreads = 128;
+constexpr int kConsumers = 2;  // two consumer warpgroups: one's softmax overlaps the other's MMAs
+constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
+constexpr int kRows = 64 * kConsumers;  // the warpgroup MMA's M per consumer
+constexpr int kKeys = 64;               // keys per tile: S is 64 x 64 per consumer (32 registers)
+static_assert(kSplitAlign % kKeys == 0, "splits must start on a tile");
+// Head sizes it has: multiples of the 64-element swizzle row whose accumulators fit the registers.
+inline constexpr int kHeadSizes[] = {64, 128};
+}  // namespace hopper
 }  // namespace prefill
 
 }  // namespace fp8kv::cuda

@@ -6,6 +6,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "../kernel_params.h"
@@ -33,6 +35,21 @@ Status reshape_and_cache(const CacheWriteParams& p, Stream stream);
 
 Status kv_amax(const AmaxParams& p, Stream stream);
 
+// The multi-token attention kernel a user asks for with FP8KV_MULTI_TOKEN_KERNEL (read at every call):
+// unset, empty or "auto" lets the backend choose; "sm80" / "sm90a" name the CUDA kernels (the HIP
+// backend has one and refuses both). Each backend's paged_attention_unsupported refuses a request it
+// cannot meet.
+enum class MultiTokenKernel { kAuto, kSm80, kSm90a, kUnknown };
+inline constexpr const char* kMultiTokenKernelVariable = "FP8KV_MULTI_TOKEN_KERNEL";
+
+inline MultiTokenKernel requested_multi_token_kernel() {
+  const char* value = std::getenv(kMultiTokenKernelVariable);
+  if (value == nullptr || std::strcmp(value, "") == 0 || std::strcmp(value, "auto") == 0) return MultiTokenKernel::kAuto;
+  if (std::strcmp(value, "sm80") == 0) return MultiTokenKernel::kSm80;
+  if (std::strcmp(value, "sm90a") == 0) return MultiTokenKernel::kSm90a;
+  return MultiTokenKernel::kUnknown;
+}
+
 // Why p has no attention kernel on this backend (its head size, block size, alignment, grid limits),
 // or "" when it has one.
 std::string paged_attention_unsupported(const PagedAttentionParams& p);
@@ -47,6 +64,7 @@ struct AttentionPlan {
   int split_tokens;    // context positions per split, a multiple of the kernel's tile group
   bool deep_staging;   // multi-token kernel: prefill::kDeepStages (see csrc/cuda/tiles.h)
   int64_t ctas;        // decode: persistent CTAs taking the work items (row chunks x splits x KV heads)
+  bool warp_specialized;  // multi-token kernel: the sm_90a one (csrc/cuda/prefill_hopper.cuh)
 };
 
 // Plans p for the current device (its multiprocessor count and the kernels' occupancy set how many

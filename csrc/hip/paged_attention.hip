@@ -412,6 +412,10 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
   if (p.num_heads > kMaxGridY || static_cast<int64_t>(p.num_kv_heads) * head_tiles(p) > kMaxGridY) {
     return "too many heads for one grid (at most 65535 query heads)";
   }
+  if (p.cu_seqlens_q != nullptr && requested_multi_token_kernel() != MultiTokenKernel::kAuto) {
+    return std::string("environment variable ") + kMultiTokenKernelVariable + " must be unset, empty or \"auto\" " +
+           "(this backend has one multi-token kernel), got \"" + std::getenv(kMultiTokenKernelVariable) + "\"";
+  }
   return "";
 }
 

@@ -1,0 +1,417 @@
+// CUDA paged attention for multi-token queries on Hopper (sm_90a): warp-specialized, with warpgroup
+// MMAs. A producer warpgroup stages each K/V tile with cp.async (FP8 tiles into a raw ring, then
+// converted to 16-bit operands in the swizzled layout the tensor cores read; 16-bit tiles straight
+// into that layout) and hands it over through named barriers; two consumer warpgroups of 64 query
+// rows each compute S = Q K^T and O += P V as warpgroup MMAs with Q and P in registers, and the
+// softmax step of prefill.cuh between them, pipelined one tile deep and taking turns (ping-pong) so
+// that softmax overlaps MMAs, while the producer's conversion overlaps both. Design:
+// docs/cuda_prefill_design.md.
+#pragma once
+
+#include "prefill.cuh"
+#include "wgmma.cuh"
+
+namespace fp8kv::cuda::prefill {
+namespace hopper {
+
+// Named barriers (16 per CTA, 0 is __syncthreads): full_barrier(c, s), the producer has filled stage s
+// for consumer c (one per consumer, so that the consumers need not meet at every tile); kEmptyBarrier
+// + s, both consumers are done with stage s; the producer warpgroup's own; kTurnBarrier + c, consumer
+// c may issue its MMAs (ping-pong).
+constexpr int kMaxStages = 4;
+constexpr int kEmptyBarrier = 1 + kConsumers * kMaxStages;
+constexpr int kProducerBarrier = kEmptyBarrier + kMaxStages;
+constexpr int kTurnBarrier = kProducerBarrier + 1;
+static_assert(kTurnBarrier + kConsumers <= 16, "named barriers");
+__device__ __forceinline__ int full_barrier(int consumer, int stage) { return 1 + consumer * kMaxStages + stage; }
+constexpr int kPairThreads = 2 * kWarpgroupThreads;  // a full or turn barrier's two warpgroups
+
+// Ping-pong (as FlashAttention-3): the consumers take turns issuing their MMAs, so that one's
+// softmax runs while the tensor cores work through the other's MMAs rather than both at once. The
+// consumers then go through the same tiles (those of the CTA), masking those of the other's rows.
+constexpr bool kPingPong = true;
+static_assert(!kPingPong || kConsumers == 2, "the turn protocol below is written for two consumers");
+
+// Shared-memory geometry. An operand (the K or the V of one tile) is D / 64 regions of kKeys swizzled
+// rows, dims 64h .. 64h + 63 in region h; a stage holds K, then V.
+template <DType C, int D>
+struct Stages {
+  static constexpr bool kFp8 = CacheTraits<C>::kIsFp8;
+  static constexpr int kRegionBytes = kKeys * wgmma::kSwizzleRowBytes;
+  static constexpr int kOperandBytes = D / wgmma::kSwizzleRowElements * kRegionBytes;
+  static constexpr int kStageBytes = 2 * kOperandBytes;
+  // FP8: three operand stages (the consumers hold two: one tile's P V and the next one's S are in
+  // flight together; the producer converts into the third) and a raw ring of three (two tiles in
+  // flight while one is converted). 16-bit: four operand stages, two held and two in flight.
+  static constexpr int kStages = kFp8 ? 3 : 4;
+  static_assert(kFp8 || kStages >= 3, "16-bit tiles: at least one in flight besides the two held");
+  static_assert(kStages <= kMaxStages, "a full and an empty barrier per stage");
+  static constexpr int kRawStages = kFp8 ? 3 : 0;
+  static constexpr int kRawBytes = 2 * kKeys * D;  // row-major FP8 K rows, then V rows
+  // + the alignment of the swizzled regions (the dynamic block follows the static one).
+  static constexpr int kSmemBytes = kStages * kStageBytes + kRawStages * kRawBytes + wgmma::kSwizzleAtomBytes;
+};
+
+// Byte offset of 16-byte chunk `chunk` (dims 8 chunk ..) of key row `key` in an operand.
+template <int D>
+__device__ __forceinline__ uint32_t swizzled_operand_offset(int key, int chunk) {
+  return chunk / 8 * (kKeys * wgmma::kSwizzleRowBytes) + wgmma::swizzled_offset(key, chunk % 8);
+}
+
+// A producer thread's share of one raw FP8 tile: 8-value runs at a fixed chunk of the rows it strides
+// over (K rows, then V rows), loaded into registers, then converted into the 16-bit operands of a
+// stage. Every load is issued before the first store (the compiler cannot tell the raw ring from the
+// stages and would wait out each load's latency in turn).
+template <DType C, int D>
+struct RawTileShare {
+  static constexpr int kChunks = D / 8;
+  static constexpr int kRowsPerPass = kWarpgroupThreads / kChunks;
+  static constexpr int kPasses = 2 * kKeys / kRowsPerPass;
+  uint2 bytes[kPasses];
+
+  __device__ __forceinline__ int chunk() const { return threadIdx.x % kChunks; }
+  __device__ __forceinline__ int row(int pass) const { return threadIdx.x / kChunks + pass * kRowsPerPass; }
+
+  __device__ __forceinline__ void load(const uint8_t* raw) {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) bytes[i] = *reinterpret_cast<const uint2*>(raw + row(i) * D + chunk() * 8);
+  }
+  __device__ __forceinline__ void convert_into(uint8_t* stage) const {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      uint4 half;
+      convert_fp8x4<C>(bytes[i].x, half.x, half.y);
+      convert_fp8x4<C>(bytes[i].y, half.z, half.w);
+      *reinterpret_cast<uint4*>(stage + row(i) / kKeys * Stages<C, D>::kOperandBytes +
+                                swizzled_operand_offset<D>(row(i) % kKeys, chunk())) = half;
+    }
+  }
+};
+
+// The producer is warpgroup 0 and stages tiles with the sm80 kernel's copy loop (stage_tile), written
+// for that kernel's 128 threads indexed by threadIdx.x.
+static_assert(prefill::kThreads == kWarpgroupThreads, "the producer warpgroup runs stage_tile");
+
+// The producer warpgroup: stages tiles first_tile, first_tile + kKeys, ... (num_tiles of them) and
+// publishes each on both consumers' full barriers of its stage once its operands are in shared memory.
+template <DType C, int D>
+__device__ __forceinline__ void produce(const PagedAttentionParams& p, const PrefillWork& w, int first_tile,
+                                       int num_tiles, uint8_t* smem) {
+  using S = Stages<C, D>;
+  const int32_t* table_row = p.block_tables + w.seq * p.block_table_stride;
+  uint8_t* raw = smem + S::kStages * S::kStageBytes;
+  auto stage = [&](int tile, uint8_t* dst) {
+    const int start = first_tile + tile * kKeys;
+    if constexpr (S::kFp8) {
+      stage_tile<C, D, kKeys>(p, w, table_row, start, dst, [](int key, int chunk) { return key * D + chunk * 16; },
+                              kKeys * D);
+    } else {
+      stage_tile<C, D, kKeys>(
+          p, w, table_row, start, dst,
+          [](int key, int chunk) { return static_cast<int>(swizzled_operand_offset<D>(key, chunk)); },
+          S::kOperandBytes);
+    }
+  };
+  // A stage is refilled once the consumers are done with the tile kStages before.
+  auto wait_empty = [&](int tile) {
+    if (tile >= S::kStages) wgmma::barrier_sync(kEmptyBarrier + tile % S::kStages, kThreads);
+  };
+  // The tensor cores read what this thread wrote (stores or cp.async): fence, then hand over.
+  auto publish = [&](int tile) {
+    wgmma::fence_async_proxy();
+#pragma unroll
+    for (int c = 0; c < kConsumers; ++c) {
+      wgmma::barrier_arrive(full_barrier(c, tile % S::kStages), kPairThreads);
+    }
+  };
+  if constexpr (S::kFp8) {
+    for (int k = 0; k < S::kRawStages - 1; ++k) {
+      if (k < num_tiles) stage(k, raw + k * S::kRawBytes);
+      copy_async_commit();
+    }
+    for (int k = 0; k < num_tiles; ++k) {
+      copy_async_wait<S::kRawStages - 2>();
+      // Tile k's raw bytes are visible to the warpgroup, and tile k - 1's raw stage is converted.
+      wgmma::barrier_sync(kProducerBarrier, kWarpgroupThreads);
+      const int ahead = k + S::kRawStages - 1;
+      if (ahead < num_tiles) stage(ahead, raw + ahead % S::kRawStages * S::kRawBytes);
+      copy_async_commit();
+      wait_empty(k);
+      RawTileShare<C, D> share;
+      share.load(raw + k % S::kRawStages * S::kRawBytes);
+      share.convert_into(smem + k % S::kStages * S::kStageBytes);
+      publish(k);
+    }
+  } else {
+    // kStages - 2 tiles in flight: the stage refilled after publishing tile k is tile k - 2's, which
+    // the consumers release while working on tile k - 1 (refilling tile k - 1's stage would hold the
+    // publishing of tile k + 1 until both consumers are done with tile k - 1).
+    constexpr int kAhead = S::kStages - 2;
+    for (int k = 0; k < kAhead; ++k) {
+      if (k < num_tiles) stage(k, smem + k * S::kStageBytes);
+      copy_async_commit();
+    }
+    for (int k = 0; k < num_tiles; ++k) {
+      copy_async_wait<kAhead - 1>();
+      publish(k);
+      const int ahead = k + kAhead;
+      if (ahead < num_tiles) {
+        wait_empty(ahead);
+        stage(ahead, smem + ahead % S::kStages * S::kStageBytes);
+      }
+      copy_async_commit();
+    }
+  }
+  copy_async_wait<0>();
+}
+
+// Positions a consumer warpgroup's rows see: any row [lo, hi), every row [interior_lo, interior_hi).
+struct WarpgroupRange {
+  int lo, hi, interior_lo, interior_hi;
+};
+
+// Consumer `consumer`: it takes every tile the producer publishes and attends to tiles [begin, end)
+// into st: with ping-pong all of them, else those its rows see (their range is contiguous).
+// Pipelined one tile deep: tile k's S = Q K^T and tile k - 1's O += P V are issued together, and tile
+// k's softmax runs while the latter is in flight; a stage is released (when the producer will refill
+// it) once its P V is done.
+template <DType C, int D>
+__device__ __forceinline__ void consume(int consumer, const LaneRows& rows, const WarpgroupRange& range,
+                                       const uint32_t (&q_frag)[D / 16][4], float multiplier, float soft_cap,
+                                       int first_tile, int num_tiles, uint32_t smem, WarpState<D>& st) {
+  using S = Stages<C, D>;
+  constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
+  int begin = 0, end = num_tiles;
+  if (!kPingPong) {
+    const bool sees_any = range.lo < range.hi;
+    begin = sees_any ? (range.lo - first_tile) / kKeys : num_tiles;
+    end = sees_any ? min(num_tiles, (range.hi - first_tile + kKeys - 1) / kKeys) : num_tiles;
+  }
+
+  auto acquire = [&](int k) { wgmma::barrier_sync(full_barrier(consumer, k % S::kStages), kPairThreads); };
+  // Turns alternate consumer 0, 1, 0, 1, ...: each waits for its turn before issuing MMAs and passes it
+  // on after (consumer 1 gives consumer 0 its first turn and does not pass its last). Both take
+  // end - begin + 1 turns (the first tile's S, one per further tile, the last tile's P V).
+  auto take_turn = [&]() {
+    if constexpr (kPingPong) wgmma::barrier_sync(kTurnBarrier + consumer, kPairThreads);
+  };
+  auto pass_turn = [&](bool last) {
+    if constexpr (kPingPong) {
+      const int next = (consumer + 1) % kConsumers;
+      if (!(last && next == 0)) wgmma::barrier_arrive(kTurnBarrier + next, kPairThreads);
+    }
+  };
+  auto release = [&](int k) {
+    if (k + S::kStages < num_tiles) wgmma::barrier_arrive(kEmptyBarrier + k % S::kStages, kThreads);
+  };
+  auto issue_scores = [&](int k, float (&s)[kKeys / 8][4]) {
+    const uint32_t key_smem = smem + k % S::kStages * S::kStageBytes;
+#pragma unroll
+    for (int step = 0; step < D / 16; ++step) {
+      // K is K-major (dims contiguous): a step's 16 dims are 32 bytes into the swizzled rows of
+      // region step / 4; 8-key groups are one swizzle period apart.
+      const uint32_t at = key_smem + step / 4 * S::kRegionBytes + step % 4 * 32;
+      wgmma::mma<kBf16, 0>(s, q_frag[step], wgmma::descriptor(at, 16, wgmma::kSwizzleAtomBytes), step > 0);
+    }
+    wgmma::commit();
+  };
+  auto issue_values = [&](int k, const uint32_t (&p)[kKeys / 16][4]) {
+    const uint32_t value_smem = smem + k % S::kStages * S::kStageBytes + S::kOperandBytes;
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      // V is N-major (dims contiguous): keys 16kk .. are two 8-row groups one swizzle period apart,
+      // dims 64h .. in region h.
+      const uint32_t at = value_smem + kk * 16 * wgmma::kSwizzleRowBytes;
+      wgmma::mma<kBf16, 1>(st.acc, p[kk], wgmma::descriptor(at, S::kRegionBytes, wgmma::kSwizzleAtomBytes), true);
+    }
+    wgmma::commit();
+  };
+  auto softmax = [&](int k, float (&s)[kKeys / 8][4], uint32_t (&p)[kKeys / 16][4], float (&rescale)[2]) {
+    const int start = first_tile + k * kKeys;
+    const bool interior = start >= range.interior_lo && start + kKeys <= range.interior_hi;
+    softmax_step<kBf16, D>(s, st, rows, start, interior, multiplier, soft_cap, p, rescale);
+  };
+
+  // Tile k - 1's P is read by its P V while tile k's softmax writes the other buffer: two P buffers,
+  // swapped by unrolling (a copy from one to the other would be a register write the in-flight MMA
+  // depends on, and the compiler would serialize the MMAs around it).
+  using Fragments = uint32_t[kKeys / 16][4];
+  float s[kKeys / 8][4];
+  float rescale[2];
+  auto iteration = [&](int k, Fragments& p, Fragments& p_next) {
+    acquire(k);
+    wgmma::pin(p);  // every register the MMAs read is final before they start
+    wgmma::pin(st.acc);
+    take_turn();
+    wgmma::fence();
+    issue_scores(k, s);
+    issue_values(k - 1, p);
+    pass_turn(false);
+    wgmma::wait<1>();  // S of tile k (committed first)
+    wgmma::pin(s);
+    softmax(k, s, p_next, rescale);
+    wgmma::wait<0>();  // O += P V of tile k - 1
+    wgmma::pin(st.acc);
+    wgmma::pin(p);
+    release(k - 1);
+    rescale_output(st, rescale);
+  };
+  auto finish = [&](Fragments& p) {
+    wgmma::pin(p);
+    wgmma::pin(st.acc);
+    take_turn();
+    wgmma::fence();
+    issue_values(end - 1, p);
+    pass_turn(true);
+    wgmma::wait<0>();
+    wgmma::pin(st.acc);
+    wgmma::pin(p);
+    release(end - 1);
+  };
+
+  if (kPingPong && num_tiles > 0 && consumer == 1) wgmma::barrier_arrive(kTurnBarrier, kPairThreads);
+  if (kPingPong && !(range.lo < range.hi)) {
+    // Only padding rows: the same turns and releases, without MMAs.
+    for (int k = 0; k < num_tiles; ++k) {
+      acquire(k);
+      take_turn();
+      pass_turn(false);
+      release(k);
+    }
+    if (num_tiles > 0) take_turn(), pass_turn(true);
+    return;
+  }
+  for (int k = 0; k < begin; ++k) acquire(k), release(k);
+  if (begin < end) {
+    Fragments p0, p1;
+    acquire(begin);
+    take_turn();
+    wgmma::fence();
+    issue_scores(begin, s);
+    pass_turn(false);
+    wgmma::wait<0>();
+    wgmma::pin(s);
+    softmax(begin, s, p0, rescale);
+    rescale_output(st, rescale);
+    for (int k = begin + 1; k < end; k += 2) {
+      iteration(k, p0, p1);
+      if (k + 1 < end) iteration(k + 1, p1, p0);
+    }
+    if ((end - 1 - begin) % 2 == 0) {
+      finish(p0);
+    } else {
+      finish(p1);
+    }
+  }
+  for (int k = end; k < num_tiles; ++k) acquire(k), release(k);
+}
+
+// A consumer warpgroup's work after planning: its rows' range from its warps' (warp_ranges), its
+// query fragments, the tiles, and the epilogue.
+template <DType C, int D>
+__device__ __forceinline__ void consume_and_write(const PagedAttentionParams& p, const SplitWorkspace& ws,
+                                                  const PrefillWork& w, const LaneRows& rows, int consumer,
+                                                  const int4* warp_ranges, int first_tile, int num_tiles,
+                                                  uint32_t smem) {
+  WarpgroupRange range{INT_MAX, INT_MIN, INT_MIN, INT_MAX};
+#pragma unroll
+  for (int x = 0; x < kWarpgroupThreads / 32; ++x) {
+    const int4 r = warp_ranges[x];
+    range.lo = min(range.lo, r.x), range.hi = max(range.hi, r.y);
+    range.interior_lo = max(range.interior_lo, r.z), range.interior_hi = min(range.interior_hi, r.w);
+  }
+  const int t = threadIdx.x % 4;
+  const bool query_bf16 = p.query_dtype == DType::kBFloat16;  // also the output's
+  uint32_t q_frag[D / 16][4];
+  load_query<C, D>(p, rows, t, query_bf16, q_frag);
+  WarpState<D> st;
+  consume<C, D>(consumer, rows, range, q_frag, logit_multiplier<C>(p, w.kv_head), p.logits_soft_cap, first_tile, num_tiles,
+                smem, st);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    st.row_sum[h] += __shfl_xor_sync(0xffffffffu, st.row_sum[h], 1);
+    st.row_sum[h] += __shfl_xor_sync(0xffffffffu, st.row_sum[h], 2);
+  }
+  write_rows<C, D>(p, ws, blockIdx.y, w, rows, t, query_bf16, st);
+}
+
+// Registers per thread after the split (the launch gives 65536 / kThreads = 168 each): the consumers
+// hold O (D / 2), S (32), P (16) and Q (D / 4) fragments; the producer's unrolled page copies spill
+// below about 100.
+constexpr int kProducerRegisters = 104;
+constexpr int kConsumerRegisters = 200;
+// setmaxnreg.inc waits until the registers are free: the split must fit what the launch allocated.
+static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumers * kConsumerRegisters) <=
+                  kThreads * (65536 / kThreads / 8 * 8),
+              "register split");
+
+// Grid as the sm80 kernel's (query tiles of kRows, splits, KV heads x head chunks), one CTA per SM.
+template <DType C, int D>
+__global__ void __launch_bounds__(kThreads, 1)
+    prefill_hopper_kernel(const PagedAttentionParams p, SplitWorkspace ws, int split_tokens) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kProducerWarps = kWarpgroupThreads / 32;
+  const int warpgroup = threadIdx.x / kWarpgroupThreads, lane = threadIdx.x % 32;
+  // Consumer warp x owns rows 16x ..; the producer plans too (it needs the CTA's range) and ignores its rows.
+  const int row_warp = max(0, static_cast<int>(threadIdx.x / 32) - kProducerWarps);
+  PrefillWork w;
+  LaneRows rows;
+  if (!plan_prefill_cta<kRows, kThreads, false>(p, blockIdx.y, split_tokens, row_warp, w, rows)) return;
+  __shared__ int4 warp_ranges[kRows / kWarpRows];
+  if (warpgroup > 0 && lane == 0) {
+    warp_ranges[row_warp] = make_int4(w.warp_lo, w.warp_hi, w.interior_lo, w.interior_hi);
+  }
+  __syncthreads();
+
+  extern __shared__ __align__(16) uint8_t hopper_smem[];
+  const uint32_t smem_start = static_cast<uint32_t>(__cvta_generic_to_shared(hopper_smem));
+  const uint32_t padding = (wgmma::kSwizzleAtomBytes - smem_start % wgmma::kSwizzleAtomBytes) % wgmma::kSwizzleAtomBytes;
+  const int first_tile = w.lo / kKeys * kKeys;
+  const int num_tiles = w.hi > w.lo ? (w.hi - first_tile + kKeys - 1) / kKeys : 0;
+  if (warpgroup == 0) {
+    wgmma::release_registers<kProducerRegisters>();
+    produce<C, D>(p, w, first_tile, num_tiles, hopper_smem + padding);
+  } else {
+    wgmma::claim_registers<kConsumerRegisters>();
+    consume_and_write<C, D>(p, ws, w, rows, warpgroup - 1, warp_ranges + (warpgroup - 1) * (kWarpgroupThreads / 32),
+                            first_tile, num_tiles, smem_start + padding);
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // code for another architecture: the planner never launches it there
+#endif
+}
+
+template <DType C, int D>
+cudaError_t launch_variant(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
+                           cudaStream_t stream) {
+  const RowMap map = RowMap::make(p.num_heads / p.num_kv_heads, kRows);
+  const dim3 grid(static_cast<unsigned>(plan.row_chunks), static_cast<unsigned>(plan.num_splits),
+                  static_cast<unsigned>(p.num_kv_heads * map.head_chunks));
+  prefill_hopper_kernel<C, D><<<grid, kThreads, Stages<C, D>::kSmemBytes, stream>>>(p, ws, plan.split_tokens);
+  return merge_splits(p, plan, ws, stream);
+}
+
+}  // namespace hopper
+
+// The multi-token kernels' entry points: the Hopper kernel where the plan chose it
+// (plan.warp_specialized), else the sm80 one.
+template <DType C>
+cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
+                   cudaStream_t stream) {
+  if (!plan.warp_specialized) return launch_sm80<C>(p, plan, ws, stream);
+  return dispatch<hopper::kHeadSizes>(p.head_size, cudaErrorInvalidValue, [&](auto head) {
+    return hopper::launch_variant<C, decltype(head)::value>(p, plan, ws, stream);
+  });
+}
+
+template <DType C>
+int resident_ctas(int head_size, bool deep_staging, bool warp_specialized) {
+  if (!warp_specialized) return resident_ctas_sm80<C>(head_size, deep_staging);
+  return dispatch<hopper::kHeadSizes>(head_size, 0, [](auto head) {
+    constexpr int kSmemBytes = hopper::Stages<C, decltype(head)::value>::kSmemBytes;
+    return cuda::resident_ctas(reinterpret_cast<const void*>(hopper::prefill_hopper_kernel<C, decltype(head)::value>),
+                               hopper::kThreads, kSmemBytes, kSmemBytes);
+  });
+}
+
+}  // namespace fp8kv::cuda::prefill
