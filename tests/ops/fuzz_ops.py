@@ -8,8 +8,8 @@ must be unchanged, and the bytes of outputs outside their own elements too.
 
 Each case runs in a child forked from this driver, which itself never runs a kernel (a process that
 has run OpenMP regions cannot fork safely). Run directly:
-    python tests/fuzz_ops.py --seconds 60            # JSON lines, one per case, on stdout
-    python tests/fuzz_ops.py --seed 123 --in-process  # one case, with a traceback
+    python tests/ops/fuzz_ops.py --seconds 60            # JSON lines, one per case, on stdout
+    python tests/ops/fuzz_ops.py --seed 123 --in-process  # one case, with a traceback
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """CPU tests of the benchmark scripts: everything that does not need a GPU.
 
-    python -m pytest -q benchmarks/test_benchmarks_cpu.py
+    python -m pytest -q tests/benchmarks
 
 Covered: shape tables and byte/FLOP counts (against independent arithmetic and brute-force sums),
 the random paged caches (poisoned tails, HND storage, gathers, mixed batches), the float32 reference
@@ -28,8 +28,8 @@ import warnings
 import pytest
 import torch
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
 
 import attention_cases as cases  # noqa: E402
 import bench_kv_amax as amax  # noqa: E402
@@ -741,7 +741,7 @@ def test_json_and_png_outputs(tmp_path, which):
     assert json.loads(args.json.read_text())["rows"][0]["label"] == rows[0]["label"]
     assert args.png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = tmp_path / "again.png"
-    subprocess.run([sys.executable, str(HERE / "plot.py"), str(args.json), "--png", str(again)], check=True)
+    subprocess.run([sys.executable, str(BENCHMARKS / "plot.py"), str(args.json), "--png", str(again)], check=True)
     assert again.stat().st_size > 10_000
 
 
@@ -762,36 +762,36 @@ def test_table_alignment():
 @pytest.mark.parametrize("script", ["bench_paged_attention.py", "bench_prefill.py", "bench_reshape_and_cache.py",
                                     "bench_kv_amax.py", "plot.py", "flashinfer_wheel.py", "flashinfer_baseline.py"])
 def test_scripts_print_help(script):
-    result = subprocess.run([sys.executable, str(HERE / script), "--help"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), "--help"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout
 
 
 def test_run_all_builds_with_the_readme_install_commands():
-    install = (HERE.parent / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    install = (BENCHMARKS.parent / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
     blocks = [block.split("```", 1)[0] for block in install.split("```bash")[1:]]
     (fp8kv_block,) = [block for block in blocks if "--no-build-isolation" in block]
     readme_commands = [line.split("#")[0].strip() for line in fp8kv_block.splitlines() if "pip install" in line]
-    script = (HERE / "run_all.sh").read_text()
+    script = (BENCHMARKS / "run_all.sh").read_text()
     build = script[script.index("build_fp8kv() {"):].split("\n}\n", 1)[0]
     script_commands = [line.strip().removeprefix("&& ").rstrip("\\").strip() for line in build.splitlines()
                        if "pip install" in line]
     assert readme_commands and script_commands == readme_commands
-    result = subprocess.run(["bash", "-n", str(HERE / "run_all.sh")], capture_output=True, text=True)
+    result = subprocess.run(["bash", "-n", str(BENCHMARKS / "run_all.sh")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
 def test_run_all_refuses_unknown_arguments_and_empty_wheel_folders(tmp_path):
-    result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--fast"], capture_output=True, text=True)
+    result = subprocess.run(["bash", str(BENCHMARKS / "run_all.sh"), "--fast"], capture_output=True, text=True)
     assert result.returncode == 2 and "unknown argument: --fast" in result.stderr
-    result = subprocess.run(["bash", str(HERE / "run_all.sh"), "--wheels", str(tmp_path)], capture_output=True, text=True)
+    result = subprocess.run(["bash", str(BENCHMARKS / "run_all.sh"), "--wheels", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 2 and "no .whl files there" in result.stderr
 
 
 def test_benchmarks_refuse_to_run_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    result = subprocess.run([sys.executable, str(HERE / "bench_paged_attention.py"), "--quick"],
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "bench_paged_attention.py"), "--quick"],
                             capture_output=True, text=True)
     assert result.returncode != 0 and "need a CUDA GPU" in result.stderr
 

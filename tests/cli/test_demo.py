@@ -161,7 +161,7 @@ def assert_real_model_report(out: str, new_tokens: int, question_tokens: int) ->
     bf16_answer, fp8_answer = answers[demo.QUESTIONS[0]]
     assert "Paris" in bf16_answer and fp8_answer.strip()
     # The perplexity table (cells: cache, perplexity, change, KL, top-1, ...), within the bounds of
-    # tests/test_real_model.py on a window of the same size: the bf16 paged cache is the model's
+    # tests/integrations/test_real_model.py on a window of the same size: the bf16 paged cache is the model's
     # attention up to bf16 rounding; e4m3 adds more.
     bf16, fp8 = table_row(out, "bf16"), table_row(out, "float8_e4m3fn")
     assert abs(float(bf16[2].rstrip("%"))) < 5 and float(bf16[3]) < 1e-2 and float(bf16[4].rstrip("%")) >= 90

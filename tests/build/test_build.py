@@ -18,7 +18,7 @@ import torch
 
 import fp8kv._ops
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CPP_RUNTIME_SYMBOLS = ("__cxa_throw", "__gxx_personality_v0")
 
 RAISE_IN_CHILD = """
