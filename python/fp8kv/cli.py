@@ -168,7 +168,7 @@ def _uncalibrated_checkpoint(text: str) -> pathlib.Path:
     """A checkpoint directory the loader reads without problems, holding no KV cache scales yet, in a
     form the export can write scales into."""
     from .calibration import scales_file
-    from .checkpoint import read_checkpoint_scales
+    from .checkpoint.reading import read_checkpoint_scales
 
     found = read_checkpoint_scales(text)  # reports bad content as problems, raises nothing
     if found.problems:
@@ -221,7 +221,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     """Prints what a checkpoint says about its KV cache scales; exit status 1 if anything is wrong."""
-    from .checkpoint import read_checkpoint_scales
+    from .checkpoint.reading import read_checkpoint_scales
 
     with _blame("checkpoint"):
         found = read_checkpoint_scales(args.checkpoint, scales_json=args.scales_json)
@@ -231,7 +231,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 def _check_calibration_arguments(args: argparse.Namespace) -> None:
     """The checks that involve several arguments, made before anything loads or is written."""
-    from .checkpoint import LEGACY_JSON_FILE
+    from .checkpoint.legacy_json import LEGACY_JSON_FILE
 
     out, model = args.out, args.model.resolve()
     if out.exists() and out.resolve() == model:

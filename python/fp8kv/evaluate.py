@@ -36,7 +36,9 @@ import pathlib
 
 import torch
 
-from .checkpoint import CheckpointError, load_kv_cache_config, read_checkpoint_scales
+from .checkpoint.per_rank import load_kv_cache_config
+from .checkpoint.problems import CheckpointError
+from .checkpoint.reading import read_checkpoint_scales
 from .formats import KVCacheConfig, KVCacheDtype
 from .loading import WeightsMismatchError, load_causal_lm
 

@@ -113,7 +113,7 @@ def test_missing_layers_are_found_from_the_tensors_present(tmp_path):
 
 
 def test_layer_limit_is_inclusive(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "MAX_NUM_LAYERS", 4)
+    monkeypatch.setattr("fp8kv.checkpoint.config.MAX_NUM_LAYERS", 4)
     write_checkpoint(tmp_path / "at", config=llama_config(num_layers=4))
     assert load_kv_cache_config(tmp_path / "at", "auto").num_layers == 4
     write_checkpoint(tmp_path / "above", config=llama_config(num_layers=5))
@@ -135,7 +135,7 @@ def test_layer_index_in_a_name_beyond_the_model(tmp_path, name, message):
 
 
 def test_json_files_are_read_up_to_a_limit(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "MAX_JSON_BYTES", 4096)
+    monkeypatch.setattr("fp8kv.checkpoint.files.MAX_JSON_BYTES", 4096)
     write_checkpoint(tmp_path, config={**llama_config(), "padding": "x" * 4096})
     with pytest.raises(CheckpointError) as info:
         load_kv_cache_config(tmp_path, "auto")

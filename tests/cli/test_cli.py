@@ -258,12 +258,12 @@ def test_calibrate_reports_the_file_it_wrote(tmp_path, sharded, capsys):
 
 
 def test_inspect_reports_a_loader_error_in_one_line(monkeypatch, tmp_path, capsys):
-    import fp8kv.checkpoint
+    import fp8kv.checkpoint.reading
 
     def broken(*args, **kwargs):
         raise CheckpointError([Problem(str(tmp_path / "config.json"), None, "cannot read: Input/output error")])
 
-    monkeypatch.setattr(fp8kv.checkpoint, "read_checkpoint_scales", broken)
+    monkeypatch.setattr(fp8kv.checkpoint.reading, "read_checkpoint_scales", broken)
     status, out, err = run(["inspect", str(tmp_path)], capsys)
     assert status == 1 and out == ""
     assert err.startswith("fp8kv inspect: error: argument checkpoint: invalid KV cache scales")

@@ -17,8 +17,13 @@ from typing import Iterable
 import torch
 
 from .. import commit, distributed
-from ..checkpoint import (CONFIG_FILE, INDEX_FILE, CheckpointError, Problem, checkpoint_tensor_names,
-                          format_ranges, module_and_layer, read_checkpoint_scales, read_safetensors_header)
+from ..checkpoint.config import CONFIG_FILE
+from ..checkpoint.files import read_safetensors_header
+from ..checkpoint.problems import CheckpointError, Problem
+from ..checkpoint.reading import read_checkpoint_scales
+from ..checkpoint.scale_tensors import module_and_layer
+from ..checkpoint.tensor_files import INDEX_FILE, checkpoint_tensor_names
+from ..checkpoint.values import format_ranges
 from ..formats import KVCacheConfig, KVCacheDtype
 
 SCALES_FILE = "kv_cache_scales.safetensors"
