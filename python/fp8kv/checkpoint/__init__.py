@@ -21,7 +21,7 @@ journal says, so the checkpoint reads as the old one or the new one, never a mix
 """
 
 from .config import CONFIG_FILE, MAX_NUM_LAYERS, MODELOPT_FILE
-from .files import MAX_JSON_BYTES, SafetensorsHeader, read_safetensors_header
+from .files import MAX_JSON_BYTES, SafetensorsHeader, read_json_object, read_safetensors_header
 from .legacy_json import LEGACY_JSON_FILE
 from .per_rank import load_kv_cache_config, shard_kv_heads
 from .problems import CheckpointError, Problem
@@ -43,6 +43,7 @@ __all__ = [
     "CheckpointScales",
     "SafetensorsHeader",
     "read_safetensors_header",
+    "read_json_object",
     "checkpoint_tensor_names",
     "scale_values",
     "module_and_layer",

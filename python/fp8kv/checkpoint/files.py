@@ -36,6 +36,13 @@ def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
     return _read_file(path, Reader.safetensors_header)
 
 
+def read_json_object(path: str | os.PathLike) -> dict:
+    """The JSON object of file `path`, read as the loader reads a checkpoint's JSON files: a regular
+    file (symlinks followed) of at most MAX_JSON_BYTES, without repeated keys. Raises
+    CheckpointError naming the file."""
+    return _read_file(path, Reader.json_object)
+
+
 def _read_file(path: str | os.PathLike, read: Callable):
     path = pathlib.Path(path)
     reader = Reader(path.parent)
