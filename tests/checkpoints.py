@@ -18,8 +18,9 @@ import struct
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from fp8kv.calibration import KVAmax
 from fp8kv.checkpoint import CheckpointError
 
 ATTENTION = "model.layers.{}.self_attn"
@@ -128,6 +129,25 @@ def write_checkpoint(directory, *, config: dict | None = None, tensors: dict | N
     if hf_quant_config is not None:
         (directory / "hf_quant_config.json").write_text(json.dumps(hf_quant_config))
     return directory
+
+
+def source_checkpoint(directory, *, layout: str, num_layers: int = 2, num_kv_heads: int = 4, config=None):
+    """A checkpoint without scales for an export to write into: 'single' (one file, with metadata the
+    export must keep) or 'sharded' (three shards and an index)."""
+    shards = {"single": 1, "sharded": 3}[layout]
+    directory = write_checkpoint(directory, shards=shards, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                                 config=config)
+    if layout == "single":  # metadata the export must keep
+        tensors = load_file(str(directory / "model.safetensors"))
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt", "note": "source"})
+    return directory
+
+
+def random_amax(num_layers: int, width: int, seed: int = 0) -> KVAmax:
+    """float32 maxima spanning 1e-3 .. 1e3 (log-uniform)."""
+    generator = torch.Generator().manual_seed(seed)
+    k, v = (10.0 ** (torch.rand(2, num_layers, width, generator=generator) * 6 - 3)).float().tolist()
+    return KVAmax(tuple(map(tuple, k)), tuple(map(tuple, v)), num_tokens=10)
 
 
 def legacy_json(scaling_factor: dict, dtype: str = "float8_e4m3fn", model_type: str | None = "llama") -> dict:

@@ -4,7 +4,9 @@ from . import ops
 from ._ops import has_cuda_kernels
 from .attention import PagedAttention, map_checkpoint_scale_names
 from .cache import BatchMetadata, BlockAllocator, CacheFullError, PagedKVCache, capacity_report
-from .checkpoint import CheckpointError, load_kv_cache_config, read_checkpoint_scales
+from .checkpoint.per_rank import load_kv_cache_config
+from .checkpoint.problems import CheckpointError
+from .checkpoint.reading import read_checkpoint_scales
 from .formats import KVCacheConfig, KVCacheDtype
 
 __all__ = [

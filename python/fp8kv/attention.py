@@ -19,7 +19,9 @@ from torch import nn
 
 from . import ops
 from .cache import BatchMetadata, PagedKVCache
-from .checkpoint import CheckpointError, Problem, scale_values, shard_kv_heads
+from .checkpoint.per_rank import shard_kv_heads
+from .checkpoint.problems import CheckpointError, Problem
+from .checkpoint.scale_tensors import scale_values
 from .formats import KVCacheConfig, KVCacheDtype
 
 

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 from transformers import AttentionInterface, AttentionMaskInterface, LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -20,8 +20,8 @@ from transformers import MistralConfig, MistralForCausalLM  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 
-from checkpoints import (assert_reported, compressed_tensors_config, llama_config, raw_safetensors,  # noqa: E402
-                         run_in_child, scale_tensors, write_checkpoint)
+from checkpoints import (assert_reported, compressed_tensors_config, llama_config, random_amax,  # noqa: E402
+                         raw_safetensors, run_in_child, scale_tensors, source_checkpoint, write_checkpoint)
 from fp8kv import cli, ops  # noqa: E402
 from fp8kv.calibration import (CalibrationError, KVAmax, KVCalibrator, calibrate, calibrate_checkpoint,  # noqa: E402
                                export_checkpoint, export_legacy_json, make_batches, observe_model, text_sequences,
@@ -179,13 +179,6 @@ def test_non_finite_maxima_are_refused_naming_layer_and_head(kind, bad, granular
 # ----------------------------------------------------------------------------- scales
 
 
-def random_amax(num_layers: int, width: int, seed: int = 0) -> KVAmax:
-    """float32 maxima spanning 1e-3 .. 1e3 (log-uniform)."""
-    generator = torch.Generator().manual_seed(seed)
-    k, v = (10.0 ** (torch.rand(2, num_layers, width, generator=generator) * 6 - 3)).float().tolist()
-    return KVAmax(tuple(map(tuple, k)), tuple(map(tuple, v)), num_tokens=10)
-
-
 @pytest.mark.parametrize("fmt", E4M3)
 @pytest.mark.parametrize("margin", [1.0, 1.25, 3.0])
 @pytest.mark.parametrize("width", [1, 4])
@@ -283,16 +276,6 @@ def test_observing_on_the_gpu_never_synchronizes():
 
 
 # ----------------------------------------------------------------------------- export
-
-
-def source_checkpoint(directory, *, layout: str, num_layers: int = 2, num_kv_heads: int = 4, config=None):
-    shards = {"single": 1, "sharded": 3}[layout]
-    directory = write_checkpoint(directory, shards=shards, num_layers=num_layers, num_kv_heads=num_kv_heads,
-                                 config=config)
-    if layout == "single":  # metadata the export must keep
-        tensors = load_file(str(directory / "model.safetensors"))
-        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt", "note": "source"})
-    return directory
 
 
 def all_tensors(directory) -> dict[str, torch.Tensor]:

@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import save_file
 
 from checkpoints import (ATTENTION, assert_child_error, assert_reported, edit_index, legacy_json, llama_config,
-                         raw_safetensors, run_in_child, scale_tensors, write_checkpoint)
+                         random_amax, raw_safetensors, run_in_child, scale_tensors, write_checkpoint)
 from fp8kv import checkpoint
+from fp8kv.calibration import export_checkpoint
 from fp8kv.checkpoint import CheckpointError, checkpoint_tensor_names, load_kv_cache_config, read_checkpoint_scales
 
 K = [0.0625, 0.375]
@@ -113,7 +114,7 @@ def test_missing_layers_are_found_from_the_tensors_present(tmp_path):
 
 
 def test_layer_limit_is_inclusive(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "MAX_NUM_LAYERS", 4)
+    monkeypatch.setattr("fp8kv.checkpoint.config.MAX_NUM_LAYERS", 4)
     write_checkpoint(tmp_path / "at", config=llama_config(num_layers=4))
     assert load_kv_cache_config(tmp_path / "at", "auto").num_layers == 4
     write_checkpoint(tmp_path / "above", config=llama_config(num_layers=5))
@@ -135,7 +136,7 @@ def test_layer_index_in_a_name_beyond_the_model(tmp_path, name, message):
 
 
 def test_json_files_are_read_up_to_a_limit(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint, "MAX_JSON_BYTES", 4096)
+    monkeypatch.setattr("fp8kv.checkpoint.files.MAX_JSON_BYTES", 4096)
     write_checkpoint(tmp_path, config={**llama_config(), "padding": "x" * 4096})
     with pytest.raises(CheckpointError) as info:
         load_kv_cache_config(tmp_path, "auto")
@@ -541,3 +542,31 @@ def test_read_safetensors_header_refuses_special_files(tmp_path, kind, expected)
     _replace(tmp_path / "x.safetensors", kind)
     assert_child_error(run_in_child(checkpoint.read_safetensors_header, tmp_path / "x.safetensors"), expected,
                        "x.safetensors")
+
+
+# ----------------------------------------------------------------------------- the export's own reads
+
+
+def _oversized(path: pathlib.Path) -> None:
+    """JSON file `path` grown past the MAX_JSON_BYTES of 4096 that the test sets."""
+    path.write_text(json.dumps({**json.loads(path.read_text()), "padding": "x" * 4096}))
+
+
+@needs_fifo
+@pytest.mark.parametrize("kind, expected", [("fifo", "is a FIFO"), ("/dev/zero", "is a character device"),
+                                            ("oversized", "larger than 0.00390625 MiB \\(MAX_JSON_BYTES\\)")])
+@pytest.mark.parametrize("file, layout", [("config.json", "single"), ("config.json", "sharded"), (INDEX, "sharded")])
+def test_export_reads_json_files_with_the_same_care(tmp_path, monkeypatch, kind, expected, file, layout):
+    """The export reads config.json and the index again to rewrite them. A file that turns hostile
+    after the export checked the checkpoint is refused as the loader refuses it, naming the file."""
+    write_checkpoint(tmp_path, shards=2 if layout == "sharded" else 1)
+    monkeypatch.setattr("fp8kv.checkpoint.files.MAX_JSON_BYTES", 4096)
+
+    def check_then_replace(directory):
+        found = read_checkpoint_scales(directory)
+        _oversized(tmp_path / file) if kind == "oversized" else _replace(tmp_path / file, kind)
+        return found
+
+    monkeypatch.setattr("fp8kv.calibration.export.read_checkpoint_scales", check_then_replace)
+    outcome = run_in_child(export_checkpoint, tmp_path, tmp_path, random_amax(2, 1).scales())
+    assert_child_error(outcome, expected, tmp_path / file)

@@ -24,14 +24,11 @@ import warnings
 import pytest
 from safetensors import safe_open
 
-pytest.importorskip("transformers")
-from test_calibration import random_amax, source_checkpoint  # noqa: E402
-
-from fp8kv import commit  # noqa: E402
-from fp8kv.calibration import export_checkpoint, export_legacy_json  # noqa: E402
-from fp8kv.checkpoint import (CheckpointError, checkpoint_tensor_names, load_kv_cache_config,  # noqa: E402
-                              read_checkpoint_scales)
-from fp8kv.formats import KVCacheDtype  # noqa: E402
+from checkpoints import random_amax, source_checkpoint
+from fp8kv import commit
+from fp8kv.calibration import export_checkpoint, export_legacy_json
+from fp8kv.checkpoint import CheckpointError, checkpoint_tensor_names, load_kv_cache_config, read_checkpoint_scales
+from fp8kv.formats import KVCacheDtype
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

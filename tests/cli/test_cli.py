@@ -258,12 +258,12 @@ def test_calibrate_reports_the_file_it_wrote(tmp_path, sharded, capsys):
 
 
 def test_inspect_reports_a_loader_error_in_one_line(monkeypatch, tmp_path, capsys):
-    import fp8kv.checkpoint
+    import fp8kv.commands.inspect
 
     def broken(*args, **kwargs):
         raise CheckpointError([Problem(str(tmp_path / "config.json"), None, "cannot read: Input/output error")])
 
-    monkeypatch.setattr(fp8kv.checkpoint, "read_checkpoint_scales", broken)
+    monkeypatch.setattr(fp8kv.commands.inspect, "read_checkpoint_scales", broken)
     status, out, err = run(["inspect", str(tmp_path)], capsys)
     assert status == 1 and out == ""
     assert err.startswith("fp8kv inspect: error: argument checkpoint: invalid KV cache scales")
@@ -349,10 +349,10 @@ def test_report_lists_every_problem_and_inspect_fails(tmp_path, capsys):
 
 
 def test_evaluate_runs_fp8kv_evaluate(monkeypatch, tmp_path):
-    import fp8kv.evaluate
+    import fp8kv.commands.evaluate
 
     seen = []
-    monkeypatch.setattr(fp8kv.evaluate, "run", lambda args: seen.append(args) or 7)
+    monkeypatch.setattr(fp8kv.commands.evaluate, "run", lambda args: seen.append(args) or 7)
     assert main(["evaluate", "--model", str(tmp_path), "--data", "a.txt", "b.txt", "--seq-len", "64"]) == 7
     assert (seen[0].model, seen[0].data, seen[0].seq_len) == (str(tmp_path), ["a.txt", "b.txt"], 64)
 

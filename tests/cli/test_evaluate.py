@@ -3,6 +3,7 @@ re-computation on a tiny random Llama, the unquantized paged cache against trans
 exact K/V rescaling, and argument validation of `python -m fp8kv evaluate`."""
 
 import argparse
+import importlib.util
 import math
 
 import numpy as np
@@ -13,6 +14,9 @@ transformers = pytest.importorskip("transformers")
 
 from fp8kv import evaluate as ev  # noqa: E402
 from fp8kv.calibration import calibrate  # noqa: E402
+from fp8kv.commands import evaluate as command  # noqa: E402
+from fp8kv.commands.errors import CommandError  # noqa: E402
+from fp8kv.formats import KVCacheConfig  # noqa: E402
 from fp8kv.integrations.transformers import PagedCache, enable  # noqa: E402
 
 # Tiny models: one CPU thread (conftest.py says why).
@@ -183,7 +187,7 @@ def test_unquantized_paged_cache_reproduces_sdpa(dtype, unit_roundoff, seed):
 
 
 def test_evaluate_model_refuses_empty_input():
-    model, configs = tiny_llama(), {"auto": ev.KVCacheConfig.unit_scales("auto", 2)}
+    model, configs = tiny_llama(), {"auto": KVCacheConfig.unit_scales("auto", 2)}
     for bad in (torch.zeros(0, 8, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64), torch.zeros(8)):
         with pytest.raises(ValueError, match="windows must be"):
             ev.evaluate_model(model, bad, configs, progress=False)
@@ -269,8 +273,8 @@ def no_model_loading(monkeypatch):
 
 def run_cli(argv):
     parser = argparse.ArgumentParser()
-    ev.add_arguments(parser)
-    return ev.run(parser.parse_args(argv))
+    command.add_arguments(parser)
+    return command.run(parser.parse_args(argv))
 
 
 @pytest.mark.parametrize("windows, words", [(1, "1 window x 16 tokens"), (2, "2 windows x 16 tokens")])
@@ -329,7 +333,7 @@ def test_bad_arguments_are_refused_before_loading_the_model(checkpoint, no_model
             run_cli(argv)
         assert exit_info.value.code == 2
         return
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(CommandError, match=message):
         run_cli(argv)
 
 
@@ -349,7 +353,7 @@ def test_bad_paths_are_refused_with_the_option_named(checkpoint, tmp_path, no_mo
     empty.write_text("\n")
     cases.append((["--model", str(model_dir), "--data", str(empty)], r"--data: text file\(s\) holding no text"))
     for argv, message in cases:
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(CommandError, match=message):
             run_cli(argv)
 
 
@@ -360,7 +364,7 @@ def test_a_checkpoint_missing_weights_is_refused(checkpoint):
     tensors = load_file(model_dir / "model.safetensors")
     del tensors["model.norm.weight"]
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"^--model: .*model: the weights do not fit its config.json: 1 missing "
+    with pytest.raises(CommandError, match=r"^--model: .*model: the weights do not fit its config.json: 1 missing "
                                          r"\(model.norm.weight\)$"):
         run_cli(["--model", str(model_dir), "--data", str(text), "--seq-len", "32", "--windows", "1", "--device", "cpu",
                  "--no-progress"])
@@ -368,10 +372,10 @@ def test_a_checkpoint_missing_weights_is_refused(checkpoint):
 
 def test_png_without_matplotlib_names_the_package(checkpoint, tmp_path, monkeypatch):
     model_dir, text = checkpoint
-    real_find_spec = ev.importlib.util.find_spec
-    monkeypatch.setattr(ev.importlib.util, "find_spec",
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a))
-    with pytest.raises(ValueError, match="--png needs the Python package 'matplotlib'"):
+    with pytest.raises(CommandError, match="--png needs the Python package 'matplotlib'"):
         run_cli(["--model", str(model_dir), "--data", str(text), "--png", str(tmp_path / "x.png")])
 
 
@@ -420,5 +424,5 @@ def test_options_are_checked_before_the_packaged_model_is_converted(checkpoint, 
     monkeypatch.setattr(models, "smollm2_checkpoint", lambda *a: pytest.fail("converted before the checks"))
     for extra, message in ((["--seq-len", "1"], "--seq-len"), (["--kv-cache-dtype", "fp9"], "--kv-cache-dtype"),
                            (["--scales", str(tmp_path)], "--scales"), (["--device", "meta"], "--device")):
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(CommandError, match=message):
             run_cli(["--model", models.SMOLLM2_NAME, "--data", str(text), *extra])

@@ -17,8 +17,13 @@ from typing import Iterable
 import torch
 
 from .. import commit, distributed
-from ..checkpoint import (CONFIG_FILE, INDEX_FILE, CheckpointError, Problem, checkpoint_tensor_names,
-                          format_ranges, module_and_layer, read_checkpoint_scales, read_safetensors_header)
+from ..checkpoint.config import CONFIG_FILE
+from ..checkpoint.files import read_json_object, read_safetensors_header
+from ..checkpoint.problems import CheckpointError, Problem
+from ..checkpoint.reading import read_checkpoint_scales
+from ..checkpoint.scale_tensors import module_and_layer
+from ..checkpoint.tensor_files import INDEX_FILE, checkpoint_tensor_names
+from ..checkpoint.values import format_ranges
 from ..formats import KVCacheConfig, KVCacheDtype
 
 SCALES_FILE = "kv_cache_scales.safetensors"
@@ -115,7 +120,7 @@ def _checked_scale_tensors(directory: pathlib.Path, kv_cache: KVCacheConfig, mod
 def _holds(directory: pathlib.Path, found, tensors: dict[str, torch.Tensor], kv_cache: KVCacheConfig) -> bool:
     stored = {scale.tensor: scale.values for scale in (*found.k, *found.v)}
     wanted = {name: tuple(t.flatten().tolist()) for name, t in tensors.items()}
-    quant = _read_json(directory / CONFIG_FILE).get("quantization_config")
+    quant = read_json_object(directory / CONFIG_FILE).get("quantization_config")
     return (stored == wanted and found.calibrated_for is kv_cache.dtype and isinstance(quant, dict)
             and quant == _quantization_config(quant, kv_cache))
 
@@ -125,12 +130,12 @@ def _writers(directory: pathlib.Path, tensors: dict[str, torch.Tensor], kv_cache
     declares the scales (and e4m3fnuz), comes before the file that makes them visible (the index or
     model.safetensors): a reader that ignores the commit journal then never reads undeclared scales
     (e4m3fnuz scales as e4m3fn), it finds the declared ones missing."""
-    config = _read_json(directory / CONFIG_FILE)
+    config = read_json_object(directory / CONFIG_FILE)
     config["quantization_config"] = _quantization_config(config.get("quantization_config"), kv_cache)
     if scales_file(directory) == SINGLE_FILE:
         rewrite = functools.partial(_write_safetensors, tensors=tensors, base=directory / SINGLE_FILE)
         return {CONFIG_FILE: commit.json_writer(config), SINGLE_FILE: rewrite}
-    index = _read_json(directory / INDEX_FILE)
+    index = read_json_object(directory / INDEX_FILE)
     index["weight_map"].update(dict.fromkeys(tensors, SCALES_FILE))
     metadata = index.get("metadata")
     if isinstance(metadata, dict) and isinstance(metadata.get("total_size"), int):
@@ -209,10 +214,6 @@ def _copy(source: pathlib.Path, stage: pathlib.Path, out: pathlib.Path) -> None:
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         raise OSError(e.errno, f"cannot copy {source} to {out}: {where}{e.strerror or e}") from None
-
-
-def _read_json(path: pathlib.Path) -> dict:
-    return json.loads(path.read_text())
 
 
 def _check_geometry(kv_cache: KVCacheConfig, num_layers: int, num_kv_heads: int, source: pathlib.Path) -> None:

@@ -10,7 +10,7 @@ from typing import Iterable
 import torch
 
 from .. import distributed, ops
-from ..checkpoint import format_ranges
+from ..checkpoint.values import format_ranges
 from .scales import CalibrationError, KVAmax
 
 GRANULARITIES = ("tensor", "head")

@@ -12,7 +12,8 @@ from typing import Callable, ContextManager, Iterable
 
 import torch
 
-from ..checkpoint import CONFIG_FILE, LEGACY_JSON_FILE
+from ..checkpoint.config import CONFIG_FILE
+from ..checkpoint.legacy_json import LEGACY_JSON_FILE
 from ..formats import KVCacheConfig, KVCacheDtype
 from ..loading import load_causal_lm
 from .export import export_checkpoint, export_legacy_json, scales_file

@@ -1,0 +1,135 @@
+"""One tensor-parallel rank's KV cache config from a checkpoint: `load_kv_cache_config` slices the
+scales to the rank's KV heads (`shard_kv_heads`) and converts them to the cache format, raising
+CheckpointError on any problem of the checkpoint."""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import warnings
+
+from ..formats import KVCacheConfig, KVCacheDtype
+from .config import CONFIG_FILE, check_geometry_arguments, model_geometry
+from .files import Reader, checked
+from .problems import CheckpointError, Problem
+from .reading import CheckpointScales, read_checkpoint_scales
+from .scale_tensors import FoundScale
+from .values import check_int_argument, float32
+
+
+def shard_kv_heads(values: tuple[float, ...], tp_rank: int, tp_size: int) -> tuple[float, ...]:
+    """The per-head values of tensor-parallel rank `tp_rank` (one value = per tensor: unchanged).
+
+    KV heads are split evenly across ranks (num_kv_heads % tp_size == 0); with fewer KV heads than
+    ranks each head is replicated on tp_size / num_kv_heads consecutive ranks, which then hold one
+    head each (tp_size % num_kv_heads == 0).
+    """
+    heads = len(values)
+    if heads == 1:
+        return values
+    if heads % tp_size == 0:
+        per_rank = heads // tp_size
+        return values[tp_rank * per_rank:(tp_rank + 1) * per_rank]
+    if tp_size % heads == 0:
+        return (values[tp_rank // (tp_size // heads)],)
+    raise ValueError(
+        f"num_kv_heads={heads} cannot be split across tp_size={tp_size} ranks: one must divide the other"
+    )
+
+
+def load_kv_cache_config(
+    checkpoint_dir: str | os.PathLike,
+    cache_dtype: KVCacheDtype | str,
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    scales_json: str | os.PathLike | None = None,
+    num_layers: int | None = None,
+    num_kv_heads: int | None = None,
+) -> KVCacheConfig:
+    """The KV cache format and scales of one tensor-parallel rank, from a local checkpoint directory.
+
+    cache_dtype: the cache format (a KVCacheDtype or a name such as 'fp8_e4m3', see
+        KVCacheDtype.parse). 'auto' (unquantized) reads only the layer count: it has no scales.
+    FP8 caches use the checkpoint's scales, sliced to this rank's KV heads and converted from the
+    format they were calibrated for (e4m3fn unless the checkpoint says e4m3fnuz) to `cache_dtype`.
+    With no scales in the checkpoint, an e4m3 cache uses 1.0 and warns once; e5m2 uses 1.0 silently
+    (its range needs no scaling for typical activations).
+    Raises CheckpointError (naming files and tensors) for every problem of the checkpoint, and
+    TypeError / ValueError naming the argument for bad arguments.
+    """
+    dtype = KVCacheDtype.parse(cache_dtype)
+    check_int_argument("tp_size", tp_size, 1)
+    check_int_argument("tp_rank", tp_rank, 0, tp_size)
+    check_geometry_arguments(num_layers, num_kv_heads)
+    if dtype is KVCacheDtype.UNQUANTIZED:
+        reader = Reader(pathlib.Path(checkpoint_dir))
+        layers, _ = checked(reader, lambda r: model_geometry(r, r.json_object(r.path(CONFIG_FILE)),
+                                                               num_layers, num_kv_heads))
+        return KVCacheConfig.unit_scales(dtype, layers, "unquantized cache: no scales")
+    found = read_checkpoint_scales(checkpoint_dir, scales_json=scales_json, num_layers=num_layers, num_kv_heads=num_kv_heads)
+    if found.problems:
+        raise CheckpointError(found.problems)
+    if found.num_kv_heads % tp_size != 0 and tp_size % found.num_kv_heads != 0:
+        raise ValueError(
+            f"num_kv_heads={found.num_kv_heads} ({found.directory}/{CONFIG_FILE}) cannot be split across "
+            f"tp_size={tp_size} ranks: one must divide the other"
+        )
+    if not found.has_scales:
+        if dtype.is_e4m3:
+            warnings.warn(
+                f"fp8kv: {found.directory} has no KV cache scales; the {dtype.value} cache uses scale 1.0 in every "
+                f"layer, so |K|, |V| above {dtype.max_finite:g} saturate and small values lose precision. Calibrate "
+                "scales for this model (python -m fp8kv calibrate) for accurate results.",
+                stacklevel=2,
+            )
+        return KVCacheConfig.unit_scales(dtype, found.num_layers, f"no scales in {found.directory}: 1.0")
+
+    factor = dtype.scale_factor_from(found.calibrated_for)
+    if found.legacy_json_scales:
+        k_stored = v_stored = _json_rank_scales(found, tp_rank, tp_size)
+        origin = found.legacy_json
+    else:
+        k_stored, v_stored = found.k, found.v
+        origin = ", ".join(found.forms)
+    problems = []
+    k = [_for_rank(scale, tp_rank, tp_size, factor, dtype, problems) for scale in k_stored]
+    v = [_for_rank(scale, tp_rank, tp_size, factor, dtype, problems) for scale in v_stored]
+    if problems:
+        raise CheckpointError(dict.fromkeys(problems))  # the legacy JSON's K and V scales are one source
+    conversion = f", x{factor:g} for {dtype.value}" if factor != 1.0 else ""
+    source = f"{found.directory}: {origin} (calibrated for {found.calibrated_for.value}{conversion})"
+    return KVCacheConfig(dtype, k, v, source)
+
+
+def _json_rank_scales(found: CheckpointScales, tp_rank: int, tp_size: int) -> list[FoundScale]:
+    """This rank's per-layer scales of the legacy JSON file, each named by its place in the file."""
+    ranks = found.legacy_json_scales
+    if len(ranks) not in (1, tp_size):
+        raise CheckpointError([Problem(
+            found.legacy_json, "kv_cache.scaling_factor",
+            f"has scales for {len(ranks)} tensor-parallel ranks; expected 1 or tp_size={tp_size}",
+        )])
+    # One rank: calibrated without tensor parallelism; a per-tensor scale covers any subset of the heads.
+    rank = tp_rank if len(ranks) > 1 else 0
+    return [FoundScale(found.legacy_json, f"kv_cache.scaling_factor[{rank}][{layer}]", (s,))
+            for layer, s in enumerate(ranks[rank])]
+
+
+def _for_rank(scale: FoundScale, tp_rank: int, tp_size: int, factor: float, dtype: KVCacheDtype,
+              problems: list[Problem]) -> tuple[float, ...]:
+    """This rank's heads of `scale`, converted by `factor` for a `dtype` cache.
+
+    Multiplying a float32 by a power of two is exact unless it leaves float32's range (a scale near
+    3.4e38 doubled for e4m3fnuz overflows, one near 1.4e-45 halved underflows): a problem naming
+    the scale's file and tensor.
+    """
+    converted = []
+    for s in shard_kv_heads(scale.values, tp_rank, tp_size):
+        s32 = float32(s * factor)
+        if not (math.isfinite(s32) and s32 > 0):
+            problems.append(Problem(scale.file, scale.tensor, f"scale {s:g} x{factor:g} for the {dtype.value} cache is "
+                                    f"{s32:g} in float32; it must be finite and > 0"))
+        converted.append(s32)
+    return tuple(converted)

@@ -1,0 +1,165 @@
+"""The metrics of an evaluation and the loop that measures them: perplexity, KL(model || cache)
+and top-1 agreement of the next-token distributions, and each layer's relative error of the
+attention output, for every KV cache against the model's own attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats import KVCacheConfig
+from .caches import LABELS
+from .results import CacheResult, EvaluationResult
+
+_LOGIT_ROWS = 256  # rows of logits turned into float64 distributions at a time (memory bound)
+
+
+class LogitScores:
+    """Running sums over predicted tokens, in float64 on the logits' device (no host sync per window).
+
+    add(logits, reference, targets): the cache's and the model's logits [tokens, vocab] predicting
+    `targets` [tokens].
+    """
+
+    def __init__(self):
+        self.nll = self.reference_nll = self.kl = self.agree = 0.0
+        self.count = 0
+
+    def add(self, logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> None:
+        for start in range(0, targets.numel(), _LOGIT_ROWS):
+            rows = slice(start, start + _LOGIT_ROWS)
+            log_q, log_p = logits[rows].double().log_softmax(-1), reference[rows].double().log_softmax(-1)
+            target = targets[rows, None]
+            self.nll = self.nll - log_q.gather(1, target).sum()
+            self.reference_nll = self.reference_nll - log_p.gather(1, target).sum()
+            self.kl = self.kl + (log_p.exp() * (log_p - log_q)).sum()
+            self.agree = self.agree + (logits[rows].argmax(-1) == reference[rows].argmax(-1)).sum()
+        self.count += targets.numel()
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(float(self.nll) / self.count)
+
+    @property
+    def reference_perplexity(self) -> float:
+        return math.exp(float(self.reference_nll) / self.count)
+
+    @property
+    def mean_kl(self) -> float:
+        return float(self.kl) / self.count
+
+    @property
+    def top1(self) -> float:
+        return float(self.agree) / self.count
+
+
+class LayerErrors:
+    """Per layer: running sums of ||out - ref||^2 and ||ref||^2 in float64; `relative()` the ratio's root."""
+
+    def __init__(self, num_layers: int):
+        self.squared_error = [0.0] * num_layers
+        self.squared_reference = [0.0] * num_layers
+
+    def add(self, layer: int, out: torch.Tensor, reference: torch.Tensor) -> None:
+        reference = reference.double()
+        self.squared_error[layer] = self.squared_error[layer] + (out.double() - reference).square().sum()
+        self.squared_reference[layer] = self.squared_reference[layer] + reference.square().sum()
+
+    def relative(self) -> tuple[float, ...]:
+        return tuple(math.sqrt(float(e) / float(r)) for e, r in zip(self.squared_error, self.squared_reference))
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The model's attention modules in layer order: transformers' `*Attention` modules with a `layer_idx`."""
+    found = sorted((m for m in model.modules() if type(m).__name__.endswith("Attention")
+                    and isinstance(getattr(m, "layer_idx", None), int)), key=lambda m: m.layer_idx)
+    num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    if [m.layer_idx for m in found] != list(range(num_layers)):
+        raise ValueError(f"cannot find one attention module per layer in {type(model).__name__} (found layers "
+                         f"{[m.layer_idx for m in found]} of {num_layers})")
+    return found
+
+
+class AttentionOutputs:
+    """Forward hooks on the attention modules: `record()` keeps the next pass's outputs (the model's
+    own), `compare(errors)` adds the next pass's error against them to `errors`."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = modules
+        self.reference: list[torch.Tensor | None] = [None] * len(modules)
+        self.errors: LayerErrors | None = None
+        self.handles = []
+
+    def __enter__(self) -> AttentionOutputs:
+        self.handles = [m.register_forward_hook(self._hook(layer)) for layer, m in enumerate(self.modules)]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def record(self) -> None:
+        self.errors = None
+
+    def compare(self, errors: LayerErrors) -> None:
+        self.errors = errors
+
+    def _hook(self, layer: int):
+        def hook(module, args, output):
+            out = (output[0] if isinstance(output, tuple) else output).detach()
+            if self.errors is None:
+                self.reference[layer] = out
+            else:
+                self.errors.add(layer, out, self.reference[layer])
+        return hook
+
+
+def evaluate_model(model, windows: torch.Tensor, kv_caches: dict[str, KVCacheConfig], *, setup: dict | None = None,
+                   progress: bool = True) -> EvaluationResult:
+    """Scores each cache of `kv_caches` (name -> config, labelled by LABELS) against the
+    model's own SDPA attention, teacher-forced on `windows` ([count, seq_len] token ids).
+
+    model: a transformers causal LM in float16 or bfloat16, on the device to evaluate on.
+    """
+    from tqdm import tqdm
+
+    from ..integrations.transformers import PagedCache, enable
+
+    if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
+        raise ValueError(f"windows must be [count >= 1, seq_len >= 2] token ids, got shape {list(windows.shape)}")
+    if not kv_caches:
+        raise ValueError("kv_caches is empty: nothing to evaluate")
+    modules = attention_modules(model)
+    device = next(model.parameters()).device
+    logit_scores = {name: LogitScores() for name in kv_caches}
+    layer_errors = {name: LayerErrors(len(modules)) for name in kv_caches}
+    implementation, was_training = model.config._attn_implementation, model.training
+    bar = tqdm(total=len(windows) * (1 + len(kv_caches)), unit="pass", desc="evaluating", disable=not progress)
+    model.eval()
+    try:
+        with torch.no_grad(), AttentionOutputs(modules) as outputs:
+            for window in windows:
+                ids = window[None].to(device)
+                targets = ids[0, 1:]
+                outputs.record()
+                model.set_attn_implementation("sdpa")
+                reference = model(input_ids=ids, use_cache=True).logits[0, :-1]
+                bar.update()
+                enable(model)
+                for name, kv_cache in kv_caches.items():
+                    outputs.compare(layer_errors[name])
+                    cache = PagedCache(kv_cache, max_tokens=ids.shape[1])
+                    logits = model(input_ids=ids, past_key_values=cache).logits[0, :-1]
+                    logit_scores[name].add(logits, reference, targets)
+                    bar.update()
+    finally:
+        bar.close()
+        model.set_attn_implementation(implementation)
+        model.train(was_training)
+    first = next(iter(logit_scores.values()))
+    caches = tuple(CacheResult(name, LABELS.get(name, name), scores.perplexity, scores.mean_kl, scores.top1,
+                               layer_errors[name].relative()) for name, scores in logit_scores.items())
+    setup = {"device": str(device), "dtype": str(model.dtype).removeprefix("torch."), **(setup or {})}
+    return EvaluationResult(first.reference_perplexity, first.count, windows.shape[0], windows.shape[1], caches,
+                            setup)
