@@ -26,6 +26,8 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    hadamard: bool = False,
+    k_offset: torch.Tensor | None = None,
 ) -> None:
     """Quantizes `key`/`value` rows and writes them to their cache slots.
 
@@ -37,8 +39,12 @@ def reshape_and_cache(
         a negative slot skips the token.
     k_scale, v_scale: float32 [1] or [num_kv_heads] dequantization scales: stores
         saturate_rne(x / scale).
+    hadamard, k_offset: the rotated recipe (docs/rotated_cache.md), FP8 caches only: rows are
+        rotated by the block Hadamard matrix, and K minus k_offset (float32 [num_kv_heads,
+        head_size], in the rotated basis) is stored. The cache must be read with the same values.
     """
-    torch.ops.fp8kv.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+    torch.ops.fp8kv.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, hadamard,
+                                      k_offset)
 
 
 def paged_attention(
@@ -54,6 +60,8 @@ def paged_attention(
     v_scale: torch.Tensor,
     sliding_window: int = -1,
     logits_soft_cap: float = 0.0,
+    hadamard: bool = False,
+    k_offset: torch.Tensor | None = None,
 ) -> None:
     """Attention of `query` over the paged cache, written into `out`.
 
@@ -67,11 +75,12 @@ def paged_attention(
     k_scale, v_scale: float32 [1] or [num_kv_heads], read on the device.
     sliding_window: -1, or w > 0: a query at position p sees positions > p - w.
     logits_soft_cap: 0, or c > 0: logits become c * tanh(logits / c).
+    hadamard, k_offset: the recipe the cache was written with (see reshape_and_cache).
     A decode row whose sequence has seq_len 0 (batch padding) gets zeros.
     """
     torch.ops.fp8kv.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
-        k_scale, v_scale, sliding_window, logits_soft_cap,
+        k_scale, v_scale, sliding_window, logits_soft_cap, hadamard, k_offset,
     )
 
 
