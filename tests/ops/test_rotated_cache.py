@@ -15,6 +15,7 @@ import zlib
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 import fp8kv
 from reference import FORMAT_BY_NAME, allocate_caches, assert_within, bits, random_kv
@@ -231,3 +232,62 @@ def test_output_overlapping_the_offset_is_refused(op, output):
     args["k_offset"] = args[output].view(torch.uint8).view(-1)[:512].view(torch.float32).view(2, 64)
     with pytest.raises(RuntimeError, match=re.escape(f"output `{output}` must not overlap input `k_offset`")):
         getattr(fp8kv.ops, op)(**args)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch.library and torch.compile
+# ----------------------------------------------------------------------------------------------
+
+# opcheck's schema test compares tensors with allclose, which has no float8 kernel (and the recipe
+# needs an FP8 cache): the other three run.
+OPCHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("centred", [False, True], ids=["rotated", "centred"])
+def test_opcheck(device, centred):
+    write = {name: (value.to(device) if isinstance(value, torch.Tensor) else value)
+             for name, value in write_args().items()}
+    write["k_offset"] = torch.randn(2, 64, device=device) if centred else None
+    torch.library.opcheck(torch.ops.fp8kv.reshape_and_cache.default, tuple(write.values()), test_utils=OPCHECKS)
+    inputs, _, _, _ = make_rotated_inputs(
+        seq_lens=[3, 17, 9], q_lens=[3, 4, 1], num_heads=8, num_kv_heads=2, head_size=64, block_size=8,
+        cache_format="e4m3fn", query_dtype=torch.float16, per_head_scales=True, centred=centred,
+        logits_soft_cap=3.0, device=device)
+    torch.library.opcheck(torch.ops.fp8kv.paged_attention.default, (
+        torch.zeros_like(inputs.query), inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
+        inputs.seq_lens, inputs.cu_seqlens_q, inputs.softmax_scale, inputs.k_scale, inputs.v_scale, -1, 3.0, True,
+        inputs.k_offset), test_utils=OPCHECKS)
+
+
+def rotated_step(key, value, slots, query, out, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale,
+                 k_offset):
+    fp8kv.ops.reshape_and_cache(key, value, key_cache, value_cache, slots, k_scale, v_scale, True, k_offset)
+    fp8kv.ops.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, None, 0.125, k_scale,
+                              v_scale, -1, 5.0, True, k_offset)
+    return out
+
+
+def test_compiled_rotated_step_matches_eager(device):
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(rotated_step, backend=counter, fullgraph=True)
+    for seed in (0, 1):
+        inputs, _, _, _ = make_rotated_inputs(
+            seq_lens=[5, 19, 40], q_lens=None, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+            cache_format="e4m3fn", query_dtype=torch.bfloat16, per_head_scales=True, centred=True, seed=seed,
+            device=device)
+        generator = torch.Generator().manual_seed(seed)
+        key, value = (random_kv(3, 2, 64, generator).to(torch.bfloat16).to(device) for _ in range(2))
+        tables = inputs.block_tables.cpu().long()
+        slots = torch.stack([tables[s, (n - 1) // 16] * 16 + (n - 1) % 16 for s, n in enumerate([5, 19, 40])])
+        results = []
+        for fn in (rotated_step, compiled):
+            caches = [c.clone() for c in (inputs.key_cache, inputs.value_cache)]
+            out = torch.empty_like(inputs.query)
+            fn(key, value, slots.to(device), inputs.query, out, *caches, inputs.block_tables, inputs.seq_lens,
+               inputs.k_scale, inputs.v_scale, inputs.k_offset)
+            results.append((out, *caches))
+        for eager, traced in zip(*results):
+            assert torch.equal(bits(eager), bits(traced))
+    torch._dynamo.reset()
+    assert counter.frame_count == 1 and counter.op_count == 2
