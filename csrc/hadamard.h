@@ -7,8 +7,12 @@
 
 namespace fp8kv {
 
-// The blocks' size: the largest power of two that divides the head size.
-FP8KV_HOST_DEVICE constexpr int hadamard_block(int head_size) { return head_size & -head_size; }
+// The blocks' size: the largest power of two that divides the head size, at most kMaxHadamardBlock
+// (a larger block would spread energy no better and cost the kernels registers).
+inline constexpr int kMaxHadamardBlock = 256;
+FP8KV_HOST_DEVICE constexpr int hadamard_block(int head_size) {
+  return (head_size & -head_size) < kMaxHadamardBlock ? head_size & -head_size : kMaxHadamardBlock;
+}
 
 // Smaller blocks would leave most of an outlier channel in place; the ops refuse them.
 inline constexpr int kMinHadamardBlock = 16;

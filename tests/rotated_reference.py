@@ -21,13 +21,13 @@ from reference import (FLOAT32_UNIT_ROUNDOFF, FORMAT_BY_NAME, AttentionReference
                        paged_block_tables, random_kv)
 
 # Head sizes with rotation blocks of at least 16 (the CUDA ones first) and their blocks.
-HEAD_SIZES = [64, 80, 96, 128, 192, 256, 48, 112]
+HEAD_SIZES = [64, 80, 96, 128, 192, 256, 48, 112, 512]
 
 
 def hadamard_block(head_size: int) -> int:
-    """The largest power of two dividing head_size."""
+    """The largest power of two dividing head_size, at most 256."""
     block = 1
-    while head_size % (2 * block) == 0:
+    while head_size % (2 * block) == 0 and block < 256:
         block *= 2
     return block
 
