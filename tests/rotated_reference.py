@@ -109,24 +109,32 @@ class RotatedInputs:
         return out
 
     def reference(self) -> AttentionReference:
-        """Attention in the rotated basis, in float64, from the query the kernel rotates (its fp32
-        rotation is specified exactly) over the cache's values plus the offset; then rotated back.
-        The bound: the rotated-basis bound, spread by H (each output element mixes its block), plus
-        the kernel's fp32 rotation of the output."""
         device = self.key_cache.device
-        head_size = self.query.shape[-1]
-        query = rotate_float32(self.query.cpu()).to(device)
         keys = cache_values(self.key_cache, self.k_scale)
         if self.k_offset is not None:
             keys = keys + self.k_offset.double().to(device).view(1, 1, *self.k_offset.shape)
-        values = cache_values(self.value_cache, self.v_scale)
-        rotated = paged_attention_reference(query, keys, values, self.block_tables, self.seq_lens,
-                                            self.cu_seqlens_q, self.softmax_scale, self.sliding_window,
-                                            self.logits_soft_cap, kernel_product_dtype(self.key_cache))
-        h = hadamard_matrix(head_size).to(device)
-        block_abs = h.abs()  # norm on each block: sum over a block of |e_j| / sqrt(block)
-        bound = rotated.bound @ block_abs + rotation_error_bound(rotated.out.abs() + rotated.bound)
-        return add_output_rounding(AttentionReference(rotated.out @ h, bound), self.query.dtype)
+        reference = rotated_attention_reference(
+            self.query, keys, cache_values(self.value_cache, self.v_scale), self.block_tables, self.seq_lens,
+            self.cu_seqlens_q, self.softmax_scale, self.sliding_window, self.logits_soft_cap,
+            kernel_product_dtype(self.key_cache))
+        return add_output_rounding(reference, self.query.dtype)
+
+
+def rotated_attention_reference(query, key_values, value_values, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
+                                sliding_window=-1, logits_soft_cap=0.0, product_dtype=None) -> AttentionReference:
+    """Attention over a rotated cache and the bound on a correct kernel's error before the output's
+    rounding. key_values / value_values: float64 caches of the stored values in the rotated basis (K
+    with its offset added back). The query is rotated as the kernel rotates it (its fp32 rotation is
+    specified exactly); attention runs in the rotated basis (reference.paged_attention_reference, whose
+    bound covers everything from there to the unnormalized output) and is rotated back in float64.
+    The bound: the rotated-basis bound spread by H (an output element mixes its block: sum over the
+    block of |error| / sqrt(block)), plus the kernel's fp32 rotation of its output."""
+    rotated_query = rotate_float32(query.cpu()).to(key_values.device)
+    rotated = paged_attention_reference(rotated_query, key_values, value_values, block_tables, seq_lens, cu_seqlens_q,
+                                        softmax_scale, sliding_window, logits_soft_cap, product_dtype)
+    h = hadamard_matrix(query.shape[-1]).to(key_values.device)
+    bound = rotated.bound @ h.abs() + rotation_error_bound(rotated.out.abs() + rotated.bound)
+    return AttentionReference(rotated.out @ h, bound)
 
 
 def make_rotated_inputs(*, seq_lens: list[int], q_lens: list[int] | None, num_heads: int, num_kv_heads: int,
