@@ -291,9 +291,10 @@ def file_metadata(directory) -> dict:
 
 
 def load(directory, fmt, **kwargs) -> KVCacheConfig:
+    """The plain recipe's config: the scales calibration writes for other engines."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        return load_kv_cache_config(directory, fmt, **kwargs)
+        return load_kv_cache_config(directory, fmt, **{"rotation": "none", **kwargs})
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "head"])

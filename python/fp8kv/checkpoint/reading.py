@@ -8,10 +8,11 @@ import pathlib
 from dataclasses import dataclass
 
 from ..formats import KVCacheDtype
-from .config import CONFIG_FILE, check_geometry_arguments, model_geometry, quantization_hints
+from .config import CONFIG_FILE, check_geometry_arguments, model_geometry, model_head_size, quantization_hints
 from .files import Reader, open_directory
 from .legacy_json import legacy_json_path, read_legacy_json
 from .problems import Fatal, Problem
+from .rotated_recipe import RECIPE_FILE, RotatedRecipe, read_rotated_recipe
 from .scale_tensors import FoundScale, tensor_scales
 from .values import show
 
@@ -21,7 +22,9 @@ class CheckpointScales:
     """Everything a checkpoint says about its KV cache scales, before any per-rank conversion.
 
     k, v: per layer (empty when the checkpoint has no scale tensors). legacy_json: the JSON file's
-    per-rank per-layer scales (empty when there is none). problems: everything found wrong.
+    per-rank per-layer scales (empty when there is none). head_size: config.json's (None when it
+    does not say). rotated: the rotated recipe's scales and offsets (None without fp8kv_kv_cache.json).
+    problems: everything found wrong.
     """
 
     directory: str
@@ -35,6 +38,8 @@ class CheckpointScales:
     v: tuple[FoundScale, ...]
     legacy_json: str | None
     legacy_json_scales: tuple[tuple[float, ...], ...]
+    head_size: int | None
+    rotated: RotatedRecipe | None
     problems: tuple[Problem, ...]
 
     @property
@@ -60,6 +65,7 @@ class CheckpointScales:
         elif not self.problems:
             lines.append("note:            no KV cache scales: an e4m3 cache would use 1.0 in every layer (calibrate "
                          "first); e5m2 and unquantized caches need none")
+        lines += self._rotated_lines()
         if self.problems:
             return lines + ["", f"{len(self.problems)} problem(s):"] + [f"  - {p}" for p in self.problems]
         return lines + ["", "no problems found"]
@@ -71,6 +77,21 @@ class CheckpointScales:
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
             for kind, scale in (("K", k), ("V", v)):
                 lines.append(f"{layer:>5}  {kind:4}  {_values(scale.values)}    ({scale.tensor})")
+        return lines
+
+    def _rotated_lines(self) -> list[str]:
+        recipe = self.rotated
+        if recipe is None:
+            return ["", f"rotated recipe:  no {RECIPE_FILE} (the rotated recipe would take the plain scales above, "
+                        "spread for the rotation; calibrate to measure its own)"]
+        offsets = "with K offsets (rotated + centred)" if recipe.k_offsets is not None else "no K offsets"
+        lines = ["", f"rotated recipe:  {RECIPE_FILE}: Hadamard rotation, head size {recipe.head_size}, {offsets}, "
+                     f"calibrated for {recipe.calibrated_for.value}", f"{'layer':>5}  {'kind':4}  scales"]
+        for layer, (k, v) in enumerate(zip(recipe.k_scales, recipe.v_scales)):
+            offset = ""
+            if recipe.k_offsets is not None:
+                offset = f"    (K offset: largest |mu| {max(abs(x) for row in recipe.k_offsets[layer] for x in row):.4g})"
+            lines += [f"{layer:>5}  {'K':4}  {_values(k)}{offset}", f"{layer:>5}  {'V':4}  {_values(v)}"]
         return lines
 
 
@@ -96,7 +117,8 @@ def read_checkpoint_scales(
     check_geometry_arguments(num_layers, num_kv_heads)
     reader = Reader(pathlib.Path(checkpoint_dir))
     state = dict(model_type=None, num_layers=num_layers, num_kv_heads=num_kv_heads, calibrated_for=KVCacheDtype.E4M3FN,
-                 declared=(), forms=(), k=(), v=(), legacy_json=None, legacy_json_scales=())
+                 declared=(), forms=(), k=(), v=(), legacy_json=None, legacy_json_scales=(), head_size=None,
+                 rotated=None)
     try:
         _read_into(reader, state, scales_json)
     except Fatal:
@@ -137,4 +159,5 @@ def _read_into(reader: Reader, state: dict, scales_json) -> None:
         reader.problem(dtype_hints[0][0], dtype_hints[0][1], f"conflicting calibration formats: {sources}")
     elif formats:
         state["calibrated_for"] = formats.pop()
-    state.update(declared=tuple(declared), forms=forms, k=k, v=v)
+    state.update(declared=tuple(declared), forms=forms, k=k, v=v, head_size=model_head_size(config))
+    state["rotated"] = read_rotated_recipe(reader, num_layers, num_kv_heads, state["head_size"])
