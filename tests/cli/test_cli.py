@@ -249,7 +249,8 @@ def test_calibrate_reports_the_file_it_wrote(tmp_path, sharded, capsys):
                           "--token-ids", "--out", str(tmp_path / "out"), "--no-progress", "--device", "cpu"], capsys)
     assert status == 0
     expected = "kv_cache_scales.safetensors" if sharded else "model.safetensors"
-    assert f"wrote {tmp_path / 'out'} (scales in {expected}, declared in config.json)" in out
+    assert (f"wrote {tmp_path / 'out'} (scales in {expected}, declared in config.json, the rotated recipe's in "
+            "fp8kv_kv_cache.json)") in out
     with safe_open(str(tmp_path / "out" / expected), framework="pt") as f:
         assert {"model.layers.0.self_attn.k_scale", "model.layers.1.self_attn.v_scale"} <= set(f.keys())
 
@@ -296,6 +297,9 @@ def test_report_of_per_head_scales(tmp_path, capsys):
         "    1  K     0.1 0.333333 3 1e-05    (model.layers.1.self_attn.k_scale)",
         "    1  V     0.5 0.5 0.25 6    (model.layers.1.self_attn.v_scale)",
         "",
+        "rotated recipe:  no fp8kv_kv_cache.json: the rotated recipe (an FP8 cache's default) takes the plain "
+        "scales times sqrt(block size)",
+        "",
         "no problems found",
     ]
     assert_inspect_prints(tmp_path, report, 0, capsys)
@@ -314,6 +318,9 @@ def test_report_of_legacy_json(tmp_path, capsys):
         f"legacy JSON:     {tmp_path / 'kv_cache_scales.json'} (per tensor, one scale for K and V)",
         "  rank 0: 0.25 0.5",
         "  rank 1: 0.1 3",
+        "",
+        "rotated recipe:  no fp8kv_kv_cache.json: the rotated recipe (an FP8 cache's default) takes the plain "
+        "scales times sqrt(block size)",
         "",
         "no problems found",
     ]

@@ -65,10 +65,9 @@ class CheckpointScales:
         elif not self.problems:
             lines.append("note:            no KV cache scales: an e4m3 cache would use 1.0 in every layer (calibrate "
                          "first); e5m2 and unquantized caches need none")
-        lines += self._rotated_lines()
         if self.problems:
             return lines + ["", f"{len(self.problems)} problem(s):"] + [f"  - {p}" for p in self.problems]
-        return lines + ["", "no problems found"]
+        return lines + self._rotated_lines() + ["", "no problems found"]
 
     def _scale_table(self) -> list[str]:
         per_head = any(len(s.values) > 1 for s in (*self.k, *self.v))
@@ -82,8 +81,9 @@ class CheckpointScales:
     def _rotated_lines(self) -> list[str]:
         recipe = self.rotated
         if recipe is None:
-            return ["", f"rotated recipe:  no {RECIPE_FILE} (the rotated recipe would take the plain scales above, "
-                        "spread for the rotation; calibrate to measure its own)"]
+            fallback = "the plain scales times sqrt(block size)" if self.has_scales else "scale 1.0"
+            return ["", f"rotated recipe:  no {RECIPE_FILE}: the rotated recipe (an FP8 cache's default) takes "
+                        f"{fallback}"]
         offsets = "with K offsets (rotated + centred)" if recipe.k_offsets is not None else "no K offsets"
         lines = ["", f"rotated recipe:  {RECIPE_FILE}: Hadamard rotation, head size {recipe.head_size}, {offsets}, "
                      f"calibrated for {recipe.calibrated_for.value}", f"{'layer':>5}  {'kind':4}  scales"]

@@ -24,7 +24,7 @@ def per_tensor(amax):
     from ..calibration import KVAmax
 
     return KVAmax(tuple((max(heads),) for heads in amax.k), tuple((max(heads),) for heads in amax.v),
-                  amax.num_tokens)
+                  amax.num_tokens, amax.rotated)
 
 
 def kv_cache_configs(model, windows: torch.Tensor, names, *, checkpoint_scales: KVCacheConfig | None = None,

@@ -77,7 +77,7 @@ def _checkpoint_scales(model_dir: pathlib.Path, scales, num_layers: int, num_kv_
         if scales is not None:
             raise ValueError(f"--scales: {source} has no KV cache scales")
         return None
-    config = load_kv_cache_config(source, "fp8_e4m3")
+    config = load_kv_cache_config(source, "fp8_e4m3", rotation="none")
     widths = {len(s) for s in (*config.k_scales, *config.v_scales)}
     if config.num_layers != num_layers or not widths <= {1, num_kv_heads}:
         raise ValueError(f"--scales: {source} has scales for {config.num_layers} layers x {sorted(widths)} heads; the "
