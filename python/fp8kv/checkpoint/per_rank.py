@@ -4,13 +4,14 @@ them to the cache format, raising CheckpointError on any problem of the checkpoi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pathlib
 import warnings
 
 from ..formats import KVCacheConfig, KVCacheDtype, default_rotation
-from ..rotation import Rotation, hadamard_block
+from ..rotation import MIN_BLOCK, Rotation, hadamard_block
 from .config import CONFIG_FILE, check_geometry_arguments, model_geometry
 from .files import Reader, checked
 from .problems import CheckpointError, Problem
@@ -55,8 +56,9 @@ def load_kv_cache_config(
 
     cache_dtype: the cache format (a KVCacheDtype or a name such as 'fp8_e4m3', see
         KVCacheDtype.parse). 'auto' (unquantized) reads only the layer count: it has no scales.
-    rotation: the recipe's rotation (docs/rotated_cache.md); None takes the default, Rotation.HADAMARD
-        for FP8 formats. Rotation.NONE is the plain recipe, what other engines store.
+    rotation: the recipe's rotation (docs/rotated_cache.md); None takes the default: Rotation.HADAMARD
+        for FP8 formats where config.json's head size is divisible by 16, Rotation.NONE (the plain
+        recipe, what other engines store) otherwise, as the config's source says.
     The plain recipe uses the checkpoint's scales (k_scale / v_scale and the other forms other engines
     read). The rotated recipe uses fp8kv_kv_cache.json (written by `python -m fp8kv calibrate`): its
     scales, and its K offsets when it has them. Without that file it uses the plain scales times
@@ -70,7 +72,8 @@ def load_kv_cache_config(
     TypeError / ValueError naming the argument for bad arguments.
     """
     dtype = KVCacheDtype.parse(cache_dtype)
-    rotation = default_rotation(dtype) if rotation is None else Rotation.parse(rotation)
+    requested = None if rotation is None else Rotation.parse(rotation)
+    rotation = default_rotation(dtype) if requested is None else requested
     check_int_argument("tp_size", tp_size, 1)
     check_int_argument("tp_rank", tp_rank, 0, tp_size)
     check_geometry_arguments(num_layers, num_kv_heads)
@@ -89,10 +92,21 @@ def load_kv_cache_config(
             f"num_kv_heads={found.num_kv_heads} ({found.directory}/{CONFIG_FILE}) cannot be split across "
             f"tp_size={tp_size} ranks: one must divide the other"
         )
+    unrotatable = found.head_size is not None and hadamard_block(found.head_size) < MIN_BLOCK
+    if rotation is Rotation.HADAMARD and unrotatable:
+        if requested is not None:
+            raise ValueError(f"rotation: {found.directory}/{CONFIG_FILE} gives head size {found.head_size}, which has "
+                             f"no rotation (it needs a head size divisible by {MIN_BLOCK}); use rotation='none'")
+        rotation = Rotation.NONE
     if rotation is Rotation.HADAMARD and found.rotated is not None:
         return _rotated_recipe_config(found, dtype, tp_rank, tp_size)
     plain = _plain_recipe_config(found, dtype, tp_rank, tp_size)
-    return plain if rotation is Rotation.NONE else _rotated_from_plain(found, plain)
+    if rotation is Rotation.NONE:
+        if unrotatable:
+            return dataclasses.replace(plain, source=f"{plain.source}; plain recipe: head size {found.head_size} "
+                                                     "has no rotation")
+        return plain
+    return _rotated_from_plain(found, plain)
 
 
 def _plain_recipe_config(found: CheckpointScales, dtype: KVCacheDtype, tp_rank: int, tp_size: int) -> KVCacheConfig:
