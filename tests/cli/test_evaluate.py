@@ -17,6 +17,7 @@ from fp8kv.calibration import calibrate  # noqa: E402
 from fp8kv.commands import evaluate as command  # noqa: E402
 from fp8kv.commands.errors import CommandError  # noqa: E402
 from fp8kv.formats import KVCacheConfig  # noqa: E402
+from fp8kv.rotation import Rotation  # noqa: E402
 from fp8kv.integrations.transformers import PagedCache, enable  # noqa: E402
 
 # Tiny models: one CPU thread (conftest.py says why).
@@ -297,7 +298,7 @@ def test_command_prints_table_and_writes_json(checkpoint, tmp_path, capsys):
                     "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "3 windows x 32 tokens (93 predicted), bfloat16 on CPU" in printed
-    for label in ("unquantized (model dtype)", "e4m3, scale 1", "e4m3, calibrated per head"):
+    for label in ("unquantized (model dtype)", "e4m3, plain, scale 1", "e4m3, plain, calibrated per head"):
         assert f"| {label} |" in printed
     saved = json.loads(out.read_text())
     assert [c["name"] for c in saved["caches"]] == ["auto", "e4m3", "e4m3-head"]
@@ -319,7 +320,7 @@ def test_command_plots_layer_errors(checkpoint, tmp_path):
     (["--seq-len", "300"], r"--seq-len: 300 is beyond the model's max_position_embeddings \(256\)"),
     (["--windows", "40"], r"--data: the text has 400 tokens; 40 windows \(--windows\) of 16 tokens"),
     (["--kv-cache-dtype", "e4m3", "fp9"], r"--kv-cache-dtype: unknown cache\(s\) 'fp9'"),
-    (["--kv-cache-dtype", "e4m3-checkpoint"], "--kv-cache-dtype e4m3-checkpoint: .* has no KV cache scales; pass "
+    (["--kv-cache-dtype", "e4m3-checkpoint"], "--kv-cache-dtype e4m3-checkpoint: .* has no such KV cache scales .*; pass "
      "--scales"),
     (["--device", "meta"], "--device: fp8kv runs on cpu or cuda"),
     (["--device", "nonsense"], "--device: not a device"),
@@ -388,7 +389,7 @@ def test_checkpoint_scales_are_used_and_checked(checkpoint, tmp_path):
     with_scales = export_checkpoint(model_dir, tmp_path / "with_scales", kv_cache)
     plan = ev.prepare(model_dir, text.read_text(), ["e4m3-checkpoint"], seq_len=16, windows=2, scales=with_scales,
                       device="cpu")
-    assert plan.checkpoint_scales.k_scales == kv_cache.k_scales and plan.caches == ("e4m3-checkpoint",)
+    assert plan.checkpoint[Rotation.NONE].k_scales == kv_cache.k_scales and plan.caches == ("e4m3-checkpoint",)
     # The model's own scales are found without --scales, and the default caches then include them.
     assert "e4m3-checkpoint" in ev.prepare(with_scales, text.read_text(), seq_len=16, windows=2).caches
     assert "e4m3-checkpoint" not in ev.prepare(model_dir, text.read_text(), seq_len=16, windows=2).caches
@@ -401,6 +402,32 @@ def test_checkpoint_scales_are_used_and_checked(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="--scales: .* has scales for 3 layers x \\[1\\] heads; the model has 2 "
                        "layers and 2 KV heads"):
         ev.prepare(model_dir, text.read_text(), seq_len=16, windows=2, scales=tmp_path / "other_scales")
+
+
+def test_recipes_get_their_rotation_offsets_and_scales(checkpoint, tmp_path):
+    """Plain, rotated and rotated + centred caches: offsets calibrated on the windows are the
+    calibration's; the checkpoint's rotated recipe is its fp8kv_kv_cache.json."""
+    from fp8kv.calibration import export_checkpoint
+
+    model_dir, text = checkpoint
+    model, tokens = tiny_llama(), windows()
+    amax = calibrate(model, [w[None] for w in tokens], granularity="head", progress=False)
+    rotated = amax.rotated.kv_cache("fp8_e4m3", "head")
+    with_scales = export_checkpoint(model_dir, tmp_path / "with_scales", amax.scales(), rotated=rotated)
+    plan = ev.prepare(model_dir, text.read_text(), seq_len=16, windows=2, scales=with_scales, device="cpu")
+    assert plan.caches == tuple(ev.CACHES)  # every cache: the checkpoint has both recipes
+    configs = ev.kv_cache_configs(model, tokens, plan.caches, checkpoint=plan.checkpoint, progress=False)
+    recipes = {name: (config.dtype.value, config.recipe) for name, config in configs.items()}
+    assert recipes == {
+        "auto": ("auto", "plain"), "e4m3": ("float8_e4m3fn", "plain"), "e4m3-checkpoint": ("float8_e4m3fn", "plain"),
+        "e4m3-tensor": ("float8_e4m3fn", "plain"), "e4m3-head": ("float8_e4m3fn", "plain"),
+        "e4m3-rotated": ("float8_e4m3fn", "rotated"), "e4m3-centred": ("float8_e4m3fn", "rotated + centred"),
+        "e4m3-rotated-checkpoint": ("float8_e4m3fn", "rotated + centred"), "e5m2": ("float8_e5m2", "plain"),
+        "e5m2-rotated": ("float8_e5m2", "rotated"), "e5m2-centred": ("float8_e5m2", "rotated + centred")}
+    assert configs["e4m3-centred"].k_offsets == amax.rotated.k_offsets == configs["e5m2-centred"].k_offsets
+    assert configs["e4m3-centred"].k_scales == configs["e4m3-rotated"].k_scales == ((1.0,),) * 2
+    checkpoint_rotated = configs["e4m3-rotated-checkpoint"]
+    assert (checkpoint_rotated.k_scales, checkpoint_rotated.k_offsets) == (rotated.k_scales, rotated.k_offsets)
 
 
 def test_evaluation_text_concatenates_like_cat_and_names_missing_files(tmp_path):

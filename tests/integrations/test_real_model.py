@@ -20,6 +20,7 @@ pytest.importorskip("accelerate", reason="the real-model extra (accelerate) is n
 from fp8kv import evaluate as ev  # noqa: E402
 from fp8kv import load_kv_cache_config, read_checkpoint_scales  # noqa: E402
 from fp8kv import models  # noqa: E402
+from fp8kv.rotation import Rotation  # noqa: E402
 from fp8kv.calibration import export_checkpoint  # noqa: E402
 
 SEQ_LEN = 128
@@ -112,7 +113,7 @@ def test_calibrate_export_load_round_trip(checkpoint, configs, tmp_path):
     # evaluate picks the checkpoint's scales up as e4m3-checkpoint.
     plan = ev.prepare(checkpoint, models.evaluation_text(), ["e4m3-checkpoint"], seq_len=SEQ_LEN, windows=1,
                       scales=out, device="cpu")
-    assert plan.checkpoint_scales.k_scales == kv_cache.k_scales
+    assert plan.checkpoint[Rotation.NONE].k_scales == kv_cache.k_scales
 
 
 def test_converted_model_predicts_english(result):

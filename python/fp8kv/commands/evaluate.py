@@ -26,9 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text file(s), concatenated in order, e.g. /usr/share/common-licenses/GPL-3")
     parser.add_argument("--kv-cache-dtype", nargs="+", metavar="CACHE",
                         help=f"FP8 caches to score besides the unquantized one: {', '.join(CACHES)} (default: all; "
-                        "e4m3-checkpoint only with scales); e4m3-tensor/-head are calibrated on the windows")
-    parser.add_argument("--scales", metavar="CKPT", help="checkpoint whose KV cache scales e4m3-checkpoint uses "
-                        "(default: the model's own)")
+                        "the -checkpoint ones only with those scales); e4m3-tensor/-head and the offsets of -centred "
+                        "are calibrated on the windows")
+    parser.add_argument("--scales", metavar="CKPT", help="checkpoint whose KV cache scales the -checkpoint caches "
+                        "use (default: the model's own)")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per window, BOS included (default 2048)")
     parser.add_argument("--windows", type=int, default=16, help="consecutive windows of the text (default 16)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")

@@ -12,6 +12,7 @@ from ..checkpoint.per_rank import load_kv_cache_config
 from ..checkpoint.problems import CheckpointError
 from ..checkpoint.reading import read_checkpoint_scales
 from ..formats import KVCacheConfig
+from ..rotation import Rotation
 from ..loading import WeightsMismatchError, load_causal_lm
 from .caches import CACHES, UNQUANTIZED, kv_cache_configs
 from .metrics import evaluate_model
@@ -38,7 +39,7 @@ class _Plan:
     model_dir: pathlib.Path
     caches: tuple[str, ...]
     windows: torch.Tensor
-    checkpoint_scales: KVCacheConfig | None
+    checkpoint: dict[Rotation, KVCacheConfig]
     device: torch.device
     dtype: torch.dtype
 
@@ -67,22 +68,27 @@ def _device(device) -> torch.device:
     return device
 
 
-def _checkpoint_scales(model_dir: pathlib.Path, scales, num_layers: int, num_kv_heads: int) -> KVCacheConfig | None:
-    """The e4m3 scales of --scales, else of the model's own checkpoint; None when neither has any."""
+def _checkpoint_configs(model_dir: pathlib.Path, scales, num_layers: int,
+                        num_kv_heads: int) -> dict[Rotation, KVCacheConfig]:
+    """The e4m3 configs of --scales, else of the model's own checkpoint, by rotation: the plain
+    recipe's where it has KV cache scales, the rotated recipe's where it has fp8kv_kv_cache.json."""
     source = pathlib.Path(scales) if scales is not None else model_dir
     found = read_checkpoint_scales(source)
     if found.problems:
         raise CheckpointError(found.problems)
-    if not found.has_scales:
+    if not (found.has_scales or found.rotated):
         if scales is not None:
             raise ValueError(f"--scales: {source} has no KV cache scales")
-        return None
-    config = load_kv_cache_config(source, "fp8_e4m3", rotation="none")
-    widths = {len(s) for s in (*config.k_scales, *config.v_scales)}
-    if config.num_layers != num_layers or not widths <= {1, num_kv_heads}:
-        raise ValueError(f"--scales: {source} has scales for {config.num_layers} layers x {sorted(widths)} heads; the "
-                         f"model has {num_layers} layers and {num_kv_heads} KV heads")
-    return config
+        return {}
+    configs = {rotation: load_kv_cache_config(source, "fp8_e4m3", rotation=rotation)
+               for rotation, present in ((Rotation.NONE, found.has_scales), (Rotation.HADAMARD, found.rotated))
+               if present}
+    for config in configs.values():
+        widths = {len(s) for s in (*config.k_scales, *config.v_scales)}
+        if config.num_layers != num_layers or not widths <= {1, num_kv_heads}:
+            raise ValueError(f"--scales: {source} has scales for {config.num_layers} layers x {sorted(widths)} heads; "
+                             f"the model has {num_layers} layers and {num_kv_heads} KV heads")
+    return configs
 
 
 def check_options(caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None, device=None,
@@ -116,11 +122,16 @@ def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: 
         raise ValueError(f"--model: {model_dir} is not a checkpoint directory (no config.json)")
     config = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    checkpoint_scales = _checkpoint_scales(model_dir, scales, config.num_hidden_layers, num_kv_heads)
+    checkpoint = _checkpoint_configs(model_dir, scales, config.num_hidden_layers, num_kv_heads)
+    available = tuple(name for name, spec in CACHES.items()
+                      if spec.source != "checkpoint" or spec.rotation in checkpoint)
     if caches is None:
-        caches = tuple(name for name in CACHES if name != "e4m3-checkpoint" or checkpoint_scales is not None)
-    if "e4m3-checkpoint" in caches and checkpoint_scales is None:
-        raise ValueError(f"--kv-cache-dtype e4m3-checkpoint: {model_dir} has no KV cache scales; pass --scales CKPT")
+        caches = available
+    for name in caches:
+        if name not in available:
+            raise ValueError(f"--kv-cache-dtype {name}: {scales or model_dir} has no such KV cache scales (the plain "
+                             f"recipe's k_scale / v_scale, the rotated recipe's fp8kv_kv_cache.json); pass --scales "
+                             "CKPT")
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and seq_len > max_positions:
         raise ValueError(f"--seq-len: {seq_len} is beyond the model's max_position_embeddings ({max_positions})")
@@ -129,7 +140,7 @@ def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: 
                          "tokenizer.model)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-    return _Plan(model_dir, caches, token_windows(ids, seq_len, windows, tokenizer.bos_token_id), checkpoint_scales,
+    return _Plan(model_dir, caches, token_windows(ids, seq_len, windows, tokenizer.bos_token_id), checkpoint,
                  device, dtype)
 
 
@@ -139,7 +150,7 @@ def evaluate(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows:
     """Scores the unquantized paged cache and each of `caches` (names from CACHES; default: all
     that apply) on `windows` windows of `seq_len` tokens of `text`, with the model of `model_dir` in
     `dtype` on `device` (default: CUDA when available). `scales`: a checkpoint directory whose
-    scales `e4m3-checkpoint` uses (default: the model's own, if it has any).
+    scales the checkpoint caches use (default: the model's own, if it has any).
 
     Raises ValueError (or CheckpointError) naming the command-line option for bad arguments,
     before the model's weights are loaded.
@@ -147,8 +158,7 @@ def evaluate(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows:
     plan = prepare(model_dir, text, caches, seq_len=seq_len, windows=windows, scales=scales, device=device,
                    dtype=dtype)
     model = load_model(plan, progress=progress)
-    kv_caches = kv_cache_configs(model, plan.windows, plan.caches, checkpoint_scales=plan.checkpoint_scales,
-                                 progress=progress)
+    kv_caches = kv_cache_configs(model, plan.windows, plan.caches, checkpoint=plan.checkpoint, progress=progress)
     return evaluate_model(model, plan.windows, kv_caches, progress=progress,
                           setup={"model": str(plan.model_dir), **(setup or {}), **environment(plan)})
 
