@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "../../fp8.h"
-#include "../../elements.h"
+#include "../../float_conversions.h"
 #include "../../gpu/kernels.h"
 
 namespace fp8kv {
