@@ -4,7 +4,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <limits>
-#include <string>
+#include <optional>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -12,7 +12,8 @@
 namespace fp8kv {
 namespace {
 
-DType to_dtype(c10::ScalarType t) {
+// The DType of a scalar type, if the kernels know it.
+std::optional<DType> as_dtype(c10::ScalarType t) {
   switch (t) {
     case c10::ScalarType::Half: return DType::kFloat16;
     case c10::ScalarType::BFloat16: return DType::kBFloat16;
@@ -20,8 +21,21 @@ DType to_dtype(c10::ScalarType t) {
     case c10::ScalarType::Float8_e4m3fn: return DType::kFloat8E4M3FN;
     case c10::ScalarType::Float8_e5m2: return DType::kFloat8E5M2;
     case c10::ScalarType::Float8_e4m3fnuz: return DType::kFloat8E4M3FNUZ;
-    default: TORCH_CHECK(false, "fp8kv: unsupported dtype ", t);
+    default: return std::nullopt;
   }
+}
+
+DType to_dtype(c10::ScalarType t) {
+  const std::optional<DType> type = as_dtype(t);
+  TORCH_CHECK(type.has_value(), "fp8kv: unsupported dtype ", t);
+  return *type;
+}
+
+// Whether t is in `types`, one of the supported-dtype lists of dispatch.h.
+template <std::size_t N>
+bool is_one_of(const DType (&types)[N], c10::ScalarType t) {
+  const std::optional<DType> type = as_dtype(t);
+  return type.has_value() && contains(types, *type);
 }
 
 // The kernels index heads, rows, blocks and positions with int32. A table row may cover at most
@@ -132,11 +146,6 @@ void check_no_overlap(const char* op, std::initializer_list<Named> outputs, std:
   }
 }
 
-bool is_fp8_cache_dtype(c10::ScalarType t) {
-  return t == c10::ScalarType::Float8_e4m3fn || t == c10::ScalarType::Float8_e5m2 ||
-         t == c10::ScalarType::Float8_e4m3fnuz;
-}
-
 void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank, const char* layout) {
   TORCH_CHECK(t.dim() == rank, op, ": `", name, "` must have rank ", rank, " ", layout, ", got shape ", t.sizes());
 }
@@ -203,8 +212,7 @@ void check_cache_pair(const char* op, const at::Tensor& key_cache, const at::Ten
 void check_key_value(const char* op, const at::Tensor& key, const at::Tensor& value) {
   check_rank(op, "key", key, 3, "[num_tokens, num_kv_heads, head_size]");
   const auto t = key.scalar_type();
-  TORCH_CHECK(t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Float, op,
-              ": `key` must be float16, bfloat16 or float32, got ", t);
+  TORCH_CHECK(is_one_of(kSourceDTypes, t), op, ": `key` must be ", format_list(kSourceDTypes, " or "), ", got ", t);
   check_last_dim_contiguous(op, "key", key);
   TORCH_CHECK(key.size(1) > 0 && key.size(2) > 0, op, ": `key` must have num_kv_heads >= 1 and head_size >= 1, got ",
               "shape ", key.sizes());
@@ -236,9 +244,8 @@ CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& val
   check_cache_pair(op, key_cache, value_cache);
   check_same_device(op, "key_cache", key_cache, key, "key");
   const auto cache_type = key_cache.scalar_type();
-  TORCH_CHECK(is_fp8_cache_dtype(cache_type) || cache_type == key.scalar_type(), op,
-              ": `key_cache` must be float8_e4m3fn, float8_e5m2, float8_e4m3fnuz or the dtype of `key` (",
-              key.scalar_type(), "), got ", cache_type);
+  TORCH_CHECK(is_one_of(kFp8DTypes, cache_type) || cache_type == key.scalar_type(), op, ": `key_cache` must be ",
+              format_list(kFp8DTypes), " or the dtype of `key` (", key.scalar_type(), "), got ", cache_type);
   TORCH_CHECK(key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2), op,
               ": `key_cache` [num_blocks, block_size, num_kv_heads, head_size] must match `key` [num_tokens, ",
               "num_kv_heads, head_size] in num_kv_heads and head_size, got ", key_cache.sizes(), " and ", key.sizes());
@@ -272,8 +279,8 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
   constexpr const char* op = "fp8kv.paged_attention";
   check_rank(op, "query", query, 3, "[num_query_tokens, num_heads, head_size]");
   const auto query_type = query.scalar_type();
-  TORCH_CHECK(query_type == c10::ScalarType::Half || query_type == c10::ScalarType::BFloat16, op,
-              ": `query` must be float16 or bfloat16, got ", query_type);
+  TORCH_CHECK(is_one_of(kQueryDTypes, query_type), op, ": `query` must be ", format_list(kQueryDTypes, " or "),
+              ", got ", query_type);
   check_last_dim_contiguous(op, "query", query);
   TORCH_CHECK(query.size(1) > 0 && query.size(2) > 0, op, ": `query` must have num_heads >= 1 and head_size >= 1, ",
               "got shape ", query.sizes());
@@ -292,9 +299,8 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
   check_cache_pair(op, key_cache, value_cache);
   check_same_device(op, "key_cache", key_cache, query, "query");
   const auto cache_type = key_cache.scalar_type();
-  TORCH_CHECK(is_fp8_cache_dtype(cache_type) || cache_type == query_type, op,
-              ": `key_cache` must be float8_e4m3fn, float8_e5m2, float8_e4m3fnuz or the dtype of `query` (",
-              query_type, "), got ", cache_type);
+  TORCH_CHECK(is_one_of(kFp8DTypes, cache_type) || cache_type == query_type, op, ": `key_cache` must be ",
+              format_list(kFp8DTypes), " or the dtype of `query` (", query_type, "), got ", cache_type);
   TORCH_CHECK(key_cache.size(3) == query.size(2), op, ": `key_cache` head_size (dim 3) must equal `query` head_size ",
               query.size(2), ", got ", key_cache.sizes());
   const int64_t num_kv_heads = key_cache.size(2);

@@ -33,18 +33,6 @@ void report(bool ok, const std::string& name, const std::string& detail) {
   }
 }
 
-const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::kFloat16: return "f16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat32: return "f32";
-    case DType::kFloat8E4M3FN: return "e4m3fn";
-    case DType::kFloat8E5M2: return "e5m2";
-    case DType::kFloat8E4M3FNUZ: return "e4m3fnuz";
-  }
-  return "?";
-}
-
 // Typed access to raw element buffers.
 float load(DType t, const uint8_t* base, int64_t i) {
   switch (t) {
