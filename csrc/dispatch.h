@@ -66,6 +66,10 @@ inline constexpr DType kAttentionCacheDTypes[] = {DType::kFloat8E4M3FN, DType::k
 // kernels split positions with shifts and masks).
 inline constexpr int kCudaHeadSizes[] = {64, 80, 96, 128, 192, 256};
 inline constexpr int kCudaBlockSizes[] = {8, 16, 32, 64, 128, 256};
+// The sm_90a multi-token kernel (warpgroup MMAs): its head sizes (multiples of the 64-element swizzle
+// row whose accumulators fit the registers) and the compute capability its code runs on.
+inline constexpr int kCudaSm90aHeadSizes[] = {64, 128};
+inline constexpr int kCudaSm90aCapability[] = {9, 0};
 
 template <typename T, std::size_t N>
 constexpr bool contains(const T (&values)[N], T value) {

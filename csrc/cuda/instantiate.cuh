@@ -12,5 +12,5 @@
   template int decode::resident_ctas<CACHE>(const AttentionPlan&, int, int);                                      \
   template cudaError_t prefill::launch<CACHE>(const PagedAttentionParams&, const AttentionPlan&,                  \
                                               const SplitWorkspace&, cudaStream_t);                               \
-  template int prefill::resident_ctas<CACHE>(int, bool, bool);                                                     \
+  template int prefill::resident_ctas<CACHE>(const AttentionPlan&, int);                                          \
   }

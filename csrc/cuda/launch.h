@@ -3,6 +3,7 @@
 // occupancy.
 #pragma once
 
+#include "../gpu/kernels.h"
 #include "tiles.h"
 
 namespace fp8kv::cuda {
@@ -36,7 +37,7 @@ template <DType C>
 cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
                    cudaStream_t stream);
 template <DType C>
-int resident_ctas(int head_size, bool deep_staging, bool warp_specialized);
+int resident_ctas(const AttentionPlan& plan, int head_size);
 }  // namespace prefill
 
 }  // namespace fp8kv::cuda

@@ -562,7 +562,7 @@ template <DType C, int D, int kStages>
 cudaError_t launch_variant(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
                            cudaStream_t stream) {
   const RowMap map = RowMap::make(p.num_heads / p.num_kv_heads, kRows);
-  const dim3 grid(static_cast<unsigned>(plan.row_chunks), static_cast<unsigned>(plan.num_splits),
+  const dim3 grid(static_cast<unsigned>(plan.query_tiles), static_cast<unsigned>(plan.num_splits),
                   static_cast<unsigned>(p.num_kv_heads * map.head_chunks));
   prefill_kernel<C, D, kStages><<<grid, kThreads, Tile<C, D, kStages>::kSmemBytes, stream>>>(p, ws, plan.split_tokens);
   return merge_splits(p, plan, ws, stream);

@@ -385,7 +385,7 @@ template <DType C, int D>
 cudaError_t launch_variant(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
                            cudaStream_t stream) {
   const RowMap map = RowMap::make(p.num_heads / p.num_kv_heads, kRows);
-  const dim3 grid(static_cast<unsigned>(plan.row_chunks), static_cast<unsigned>(plan.num_splits),
+  const dim3 grid(static_cast<unsigned>(plan.query_tiles), static_cast<unsigned>(plan.num_splits),
                   static_cast<unsigned>(p.num_kv_heads * map.head_chunks));
   prefill_hopper_kernel<C, D><<<grid, kThreads, Stages<C, D>::kSmemBytes, stream>>>(p, ws, plan.split_tokens);
   return merge_splits(p, plan, ws, stream);
@@ -393,21 +393,20 @@ cudaError_t launch_variant(const PagedAttentionParams& p, const AttentionPlan& p
 
 }  // namespace hopper
 
-// The multi-token kernels' entry points: the Hopper kernel where the plan chose it
-// (plan.warp_specialized), else the sm80 one.
+// The multi-token kernels' entry points: the kernel the plan chose.
 template <DType C>
 cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
                    cudaStream_t stream) {
-  if (!plan.warp_specialized) return launch_sm80<C>(p, plan, ws, stream);
-  return dispatch<hopper::kHeadSizes>(p.head_size, cudaErrorInvalidValue, [&](auto head) {
+  if (plan.kernel != AttentionKernel::kMultiTokenSm90a) return launch_sm80<C>(p, plan, ws, stream);
+  return dispatch<kCudaSm90aHeadSizes>(p.head_size, cudaErrorInvalidValue, [&](auto head) {
     return hopper::launch_variant<C, decltype(head)::value>(p, plan, ws, stream);
   });
 }
 
 template <DType C>
-int resident_ctas(int head_size, bool deep_staging, bool warp_specialized) {
-  if (!warp_specialized) return resident_ctas_sm80<C>(head_size, deep_staging);
-  return dispatch<hopper::kHeadSizes>(head_size, 0, [](auto head) {
+int resident_ctas(const AttentionPlan& plan, int head_size) {
+  if (plan.kernel != AttentionKernel::kMultiTokenSm90a) return resident_ctas_sm80<C>(head_size, plan.deep_staging);
+  return dispatch<kCudaSm90aHeadSizes>(head_size, 0, [](auto head) {
     constexpr int kSmemBytes = hopper::Stages<C, decltype(head)::value>::kSmemBytes;
     return cuda::resident_ctas(reinterpret_cast<const void*>(hopper::prefill_hopper_kernel<C, decltype(head)::value>),
                                hopper::kThreads, kSmemBytes, kSmemBytes);
