@@ -44,17 +44,19 @@ inline bool sm90a_kernel_runs(int head_size, const DeviceFacts& device) {
   return contains(kCudaSm90aHeadSizes, head_size) && device.major == kCudaSm90aCapability[0] &&
          device.minor == kCudaSm90aCapability[1];
 #else
-  (void)head_size, (void)device;
   return false;
 #endif
 }
 
-// Short queries: the average sequence's query rows fit one warp. The sm80 kernel then stages deep
-// (it is bound by memory, and deep staging keeps more bytes in flight).
+// Short queries (verification, decode rows in a batch): the average sequence's query rows fit one warp.
 inline bool short_queries(const PagedAttentionParams& p) {
   const int group = p.num_heads / p.num_kv_heads;
-  return p.num_query_tokens * group <= prefill::kWarpRows * static_cast<int64_t>(p.num_seqs);
+  return p.num_query_tokens * group <= multi_token::kWarpRows * static_cast<int64_t>(p.num_seqs);
 }
+
+// The sm80 kernel's staging (tiles.h): deep for short queries, which leave it bound by memory (deep
+// staging keeps more bytes in flight), shallow otherwise (it keeps the tensor cores fed).
+inline bool deep_staging(const PagedAttentionParams& p) { return short_queries(p); }
 
 // The kernel for p. `request` has been checked (paged_attention_unsupported): a kernel it names runs
 // p. Short queries stay on the sm80 kernel where the sm90a one could run: they are bound by memory,
@@ -155,9 +157,9 @@ struct MultiTokenGrid {
 };
 
 inline MultiTokenGrid multi_token_grid(const PagedAttentionParams& p, AttentionKernel kernel) {
-  const prefill::RowMap map = prefill::RowMap::make(
+  const multi_token::RowMap map = multi_token::RowMap::make(
       p.num_heads / p.num_kv_heads,
-      kernel == AttentionKernel::kMultiTokenSm90a ? prefill::hopper::kRows : prefill::kRows);
+      kernel == AttentionKernel::kMultiTokenSm90a ? multi_token::sm90a::kRows : multi_token::sm80::kRows);
   const int64_t packed_tiles = (p.num_query_tokens + map.tokens_per_tile - 1) / map.tokens_per_tile;
   return {packed_tiles + p.num_seqs, std::max<int64_t>(packed_tiles, p.num_seqs) * map.head_chunks * p.num_kv_heads};
 }
@@ -170,9 +172,9 @@ inline Splits multi_token_splits(const PagedAttentionParams& p, const MultiToken
   const int64_t partial_bytes = 2 * p.num_query_tokens * p.num_heads * (p.head_size + 2) * 4;
   const int64_t cache_bytes =
       2 * static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * capacity * p.head_size * dtype_bytes(p.cache_dtype);
-  const int64_t max_splits = std::max<int64_t>(1, std::min({static_cast<int64_t>(merge::kMaxSplits),
-                                                             capacity / kMinSplitTokens, cache_bytes / 16 / partial_bytes}));
-  return even_splits(capacity, fullest_last_wave(grid.busy_ctas, slots, 1, max_splits), prefill::kSplitAlign);
+  const int64_t max_splits = std::max<int64_t>(
+      1, std::min({static_cast<int64_t>(merge::kMaxSplits), capacity / kMinSplitTokens, cache_bytes / 16 / partial_bytes}));
+  return even_splits(capacity, fullest_last_wave(grid.busy_ctas, slots, 1, max_splits), multi_token::kSplitAlign);
 }
 
 }  // namespace fp8kv::cuda

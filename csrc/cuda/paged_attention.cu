@@ -47,16 +47,18 @@ cudaError_t plan_decode(const PagedAttentionParams& p, const DeviceFacts& device
   plan.num_splits = splits->count, plan.split_tokens = splits->tokens;
   if (plan.row_chunks * plan.num_splits * p.num_kv_heads > INT32_MAX) return cudaErrorInvalidValue;
   const int resident = dispatch<kAttentionCacheDTypes>(p.cache_dtype, 0, [&](auto cache) {
-    return decode::resident_ctas<decltype(cache)::value>(plan, p.head_size, p.block_size);
+    return decode::occupancy<decltype(cache)::value>(plan, p.head_size, p.block_size);
   });
   plan.ctas = decode_ctas(resident, device);
   return plan.ctas == 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
 cudaError_t plan_multi_token(const PagedAttentionParams& p, const DeviceFacts& device, AttentionPlan& plan) {
-  plan.deep_staging = short_queries(p);
+  plan.deep_staging = deep_staging(p);
   const int resident = dispatch<kAttentionCacheDTypes>(p.cache_dtype, 0, [&](auto cache) {
-    return prefill::resident_ctas<decltype(cache)::value>(plan, p.head_size);
+    constexpr DType kCache = decltype(cache)::value;
+    if (plan.kernel == AttentionKernel::kMultiTokenSm90a) return multi_token::sm90a::occupancy<kCache>(p.head_size);
+    return multi_token::sm80::occupancy<kCache>(p.head_size, plan.deep_staging);
   });
   if (resident <= 0) return cudaErrorInvalidConfiguration;
   const MultiTokenGrid grid = multi_token_grid(p, plan.kernel);
@@ -76,7 +78,7 @@ int64_t partials_bytes(const PagedAttentionParams& p, const AttentionPlan& plan)
 
 }  // namespace
 
-int resident_ctas(const void* kernel, int threads, int max_smem_bytes, int smem_bytes) {
+int kernel_occupancy(const void* kernel, int threads, int max_smem_bytes, int smem_bytes) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   // Kernel attributes are per device: a process that uses several GPUs sets them on each.
@@ -172,8 +174,12 @@ cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionPlan& 
   int* taken = reinterpret_cast<int*>(static_cast<uint8_t*>(workspace) + partials_bytes(p, plan));
   return dispatch<kAttentionCacheDTypes>(p.cache_dtype, cudaErrorInvalidValue, [&](auto cache) {
     constexpr DType kCache = decltype(cache)::value;
-    return plan.kernel == AttentionKernel::kDecode ? decode::launch<kCache>(p, plan, ws, taken, stream)
-                                                   : prefill::launch<kCache>(p, plan, ws, stream);
+    switch (plan.kernel) {
+      case AttentionKernel::kDecode: return decode::launch<kCache>(p, plan, ws, taken, stream);
+      case AttentionKernel::kMultiTokenSm80: return multi_token::sm80::launch<kCache>(p, plan, ws, stream);
+      case AttentionKernel::kMultiTokenSm90a: return multi_token::sm90a::launch<kCache>(p, plan, ws, stream);
+    }
+    return cudaErrorInvalidValue;
   });
 }
 

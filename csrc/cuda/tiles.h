@@ -41,9 +41,10 @@ struct WorkQueue {
 };
 
 constexpr int kWarps = 4;         // 8 warps only helped batch 1; 4 leaves room for 4 CTAs per SM
-constexpr int kMaxStages = 2;     // tiles staged per warp: more fit fewer CTAs per SM and were slower (perf_notes.md, 4)
+// Tiles staged per warp: more fit fewer CTAs per SM and were slower (perf_notes.md, section 4).
+constexpr int kMaxStages = 2;
 // Register cap: four CTAs per SM for head sizes up to 128, whose persistent loop fits 128 registers
-// without spills (perf_notes.md, 6); larger heads spill under that cap, and capping for 5-6 CTAs per
+// without spills (perf_notes.md, section 6); larger heads spill under that cap, and capping for 5-6 CTAs per
 // SM spilled and was slower.
 constexpr int min_ctas_per_sm(int head_size) { return head_size <= 128 ? 4 : 1; }
 constexpr int kThreads = kWarps * 32;
@@ -64,19 +65,9 @@ inline int pages_bytes(const AttentionPlan& plan, int block_size) {
 }
 }  // namespace decode
 
-namespace prefill {
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kWarpRows = 16;              // query rows per warp: the mma's M
-constexpr int kRows = kWarpRows * kWarps;  // query rows per CTA
-constexpr int kSplitAlign = 64;            // split_tokens is a multiple of every head size's key tile
-// Two stagings of the same kernel. Shallow (2 stages, 3 CTAs per SM where registers allow) keeps
-// the tensor cores busy when CTAs have many rows (prefill); deep (4 stages, 3 tiles in flight,
-// 2 CTAs per SM) keeps enough bytes in flight when they have few (verification, decode rows), as
-// the kernel is then bound by memory.
-constexpr int kShallowStages = 2;
-constexpr int kDeepStages = 4;
-constexpr int min_ctas_per_sm(int head_size, int stages) { return head_size <= 128 && stages == kShallowStages ? 3 : 2; }
+namespace multi_token {
+constexpr int kWarpRows = 16;    // query rows per warp: the mma's M
+constexpr int kSplitAlign = 64;  // split_tokens is a multiple of every head size's key tile
 
 // How a CTA's rows map to (query token, query head): the heads of one KV head's group vary
 // fastest, so every K/V tile read from the cache serves all of them. `rows`: query rows per CTA.
@@ -94,16 +85,30 @@ struct RowMap {
   }
 };
 
-// The warp-specialized kernel for sm_90a (prefill_hopper.cuh): one producer warpgroup copies and
+// The mma.sync kernel (multi_token_sm80.cuh): every warp of a CTA takes 16 of its rows.
+namespace sm80 {
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = kWarpRows * kWarps;  // query rows per CTA
+// Two stagings of the same kernel. Shallow (2 stages, 3 CTAs per SM where registers allow) keeps
+// the tensor cores busy when CTAs have many rows (prefill); deep (4 stages, 3 tiles in flight,
+// 2 CTAs per SM) keeps enough bytes in flight when they have few (verification, decode rows), as
+// the kernel is then bound by memory.
+constexpr int kShallowStages = 2;
+constexpr int kDeepStages = 4;
+constexpr int min_ctas_per_sm(int head_size, int stages) { return head_size <= 128 && stages == kShallowStages ? 3 : 2; }
+}  // namespace sm80
+
+// The warp-specialized kernel for sm_90a (multi_token_sm90a.cuh): one producer warpgroup copies and
 // converts K/V tiles, two consumer warpgroups of 64 query rows each run warpgroup MMAs on them.
-namespace hopper {
+namespace sm90a {
 constexpr int kWarpgroupThreads = 128;
 constexpr int kConsumers = 2;  // two consumer warpgroups: one's softmax overlaps the other's MMAs
 constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
 constexpr int kRows = 64 * kConsumers;  // the warpgroup MMA's M per consumer
 constexpr int kKeys = 64;               // keys per tile: S is 64 x 64 per consumer (32 registers)
 static_assert(kSplitAlign % kKeys == 0, "splits must start on a tile");
-}  // namespace hopper
-}  // namespace prefill
+}  // namespace sm90a
+}  // namespace multi_token
 
 }  // namespace fp8kv::cuda
