@@ -47,8 +47,7 @@ struct OnlineSoftmax {
     row_sum[0] = row_sum[1] = 0.f;
   }
 
-  // Lazy rescale: row r's running max moves only when a tile's max exceeds this (P may grow to
-  // 2^kRescaleSlack before; exact, as numerator and denominator share the max).
+  // Lazy rescale (kRescaleSlack): row r's running max moves only when a tile's max exceeds this.
   __device__ __forceinline__ float rescale_threshold(int r) const { return row_max[r] + kRescaleSlack; }
 
   // Moves row r's running max to new_max; `factor`: what its sum took, and its accumulators must

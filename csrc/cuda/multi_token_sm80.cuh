@@ -58,7 +58,6 @@ __device__ __forceinline__ void convert_tile(const uint8_t* stage, uint8_t* oper
   }
 }
 
-// S = Q K^T, softmax update and O += P V for one tile, by one warp.
 // Runs load(i, fragment) kDepth - 1 items ahead of use(i, fragment), so that shared-memory
 // latency hides behind the tensor-core work of earlier items (fully unrolled: fragments stay in
 // registers).
@@ -74,8 +73,9 @@ __device__ __forceinline__ void pipelined(Load&& load, Use&& use) {
   }
 }
 
-// kKeys: the keys this warp attends to (the whole tile, or its slice with shared rows), starting at
-// key_smem / value_smem and at cache position tile_start.
+// S = Q K^T, softmax step and O += P V for one tile, by one warp. kKeys: the keys this warp attends to
+// (the whole tile, or its slice with shared rows), starting at key_smem / value_smem and at cache
+// position tile_start.
 template <DType C, int D, int kKeys>
 __device__ __forceinline__ void attend_tile(const uint32_t (&q_frag)[D / 16][4], uint32_t key_smem, uint32_t value_smem,
                                             WarpState<D>& st, const LaneQueryRows& rows, int tile_start, bool interior,

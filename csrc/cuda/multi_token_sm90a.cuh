@@ -281,7 +281,7 @@ __device__ __forceinline__ void consume(int consumer, const LaneQueryRows& rows,
   }
 }
 
-// A consumer warpgroup's work after planning: its rows' range from its warps' (warp_ranges), its
+// A consumer warpgroup's work once cta_work has run: its rows' range from its warps' (warp_ranges), its
 // query fragments, the tiles, and the epilogue.
 template <DType C, int D>
 __device__ __forceinline__ void consume_and_write(const PagedAttentionParams& p, const SplitWorkspace& ws,
@@ -323,7 +323,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kProducerWarps = kWarpgroupThreads / 32;
   const int warpgroup = threadIdx.x / kWarpgroupThreads, lane = threadIdx.x % 32;
-  // Consumer warp x owns rows 16x ..; the producer plans too (it needs the CTA's range) and ignores its rows.
+  // Consumer warp x owns rows 16x ..; the producer runs cta_work too (it needs the CTA's range) and
+  // ignores its rows.
   const int row_warp = max(0, static_cast<int>(threadIdx.x / 32) - kProducerWarps);
   CtaWork w;
   LaneQueryRows rows;

@@ -44,8 +44,8 @@ constexpr int kWarps = 4;         // 8 warps only helped batch 1; 4 leaves room 
 // Tiles staged per warp: more fit fewer CTAs per SM and were slower (perf_notes.md, section 4).
 constexpr int kMaxStages = 2;
 // Register cap: four CTAs per SM for head sizes up to 128, whose persistent loop fits 128 registers
-// without spills (perf_notes.md, section 6); larger heads spill under that cap, and capping for 5-6 CTAs per
-// SM spilled and was slower.
+// without spills (perf_notes.md, section 6); larger heads spill under that cap, and capping for 5-6
+// CTAs per SM spilled and was slower.
 constexpr int min_ctas_per_sm(int head_size) { return head_size <= 128 ? 4 : 1; }
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileTokens = 16;   // keys per tile: the mma's M
