@@ -1,6 +1,6 @@
 // CUDA cache write: each thread quantizes kVec consecutive elements of one (token, head) row of K
 // and of V (16-byte loads) and scatters them to the token's slot.
-#include "../elements.h"
+#include "../float_conversions.h"
 #include "device.cuh"
 #include "../gpu/kernels.h"
 
