@@ -66,7 +66,7 @@ ACTIVATION_RESERVE = 2 * GIB  # left free for a decode step's activations and wo
 FP8_SPEEDUP, FP8_CAPACITY = 1.3, 1.9
 # Kernels counted as attention in the busy time: fp8kv's paged attention (decode, multi-token, split
 # merge) and SDPA's (flash, memory-efficient, cuDNN).
-ATTENTION_KERNELS = re.compile(r"decode_kernel|prefill_kernel|merge_splits|flash|fmha|sdpa|attention", re.IGNORECASE)
+ATTENTION_KERNELS = re.compile(r"decode_kernel|sm80_kernel|sm90a_kernel|merge_splits|flash|fmha|sdpa|attention", re.IGNORECASE)
 
 GEOMETRIES = {  # LlamaConfig arguments
     "Llama-3-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

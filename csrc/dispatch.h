@@ -39,6 +39,19 @@ constexpr bool is_fp8(DType t) {
 
 constexpr int dtype_bytes(DType t) { return t == DType::kFloat32 ? 4 : is_fp8(t) ? 1 : 2; }
 
+// torch's name of the dtype, for error messages.
+constexpr const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat32: return "float32";
+    case DType::kFloat8E4M3FN: return "float8_e4m3fn";
+    case DType::kFloat8E5M2: return "float8_e5m2";
+    case DType::kFloat8E4M3FNUZ: return "float8_e4m3fnuz";
+  }
+  return "?";
+}
+
 // ---- what the kernels support ------------------------------------------------------------------
 
 // key / value of the cache write and kv_amax.
@@ -53,6 +66,10 @@ inline constexpr DType kAttentionCacheDTypes[] = {DType::kFloat8E4M3FN, DType::k
 // kernels split positions with shifts and masks).
 inline constexpr int kCudaHeadSizes[] = {64, 80, 96, 128, 192, 256};
 inline constexpr int kCudaBlockSizes[] = {8, 16, 32, 64, 128, 256};
+// The sm_90a multi-token kernel (warpgroup MMAs): its head sizes (multiples of the 64-element swizzle
+// row whose accumulators fit the registers) and the compute capability its code runs on.
+inline constexpr int kCudaSm90aHeadSizes[] = {64, 128};
+inline constexpr int kCudaSm90aCapability[] = {9, 0};
 
 template <typename T, std::size_t N>
 constexpr bool contains(const T (&values)[N], T value) {
@@ -62,11 +79,18 @@ constexpr bool contains(const T (&values)[N], T value) {
   return false;
 }
 
-// "64, 80, 96" for error messages.
+// "64, 80, 96", or with `last` before the last value "float16, bfloat16 or float32", for error messages.
 template <typename T, std::size_t N>
-std::string format_list(const T (&values)[N]) {
+std::string format_list(const T (&values)[N], const char* last = ", ") {
   std::string text;
-  for (const T& v : values) text += (text.empty() ? "" : ", ") + std::to_string(v);
+  for (std::size_t i = 0; i < N; ++i) {
+    text += i == 0 ? "" : i + 1 == N ? last : ", ";
+    if constexpr (std::is_same_v<T, DType>) {
+      text += dtype_name(values[i]);
+    } else {
+      text += std::to_string(values[i]);
+    }
+  }
   return text;
 }
 

@@ -1,10 +1,70 @@
-// The index-check ops, for any device: callers whose index tensors live on a GPU use them to check
-// slots, block ids and lengths before a run (each copies its tensors to the host).
+// The index checks (index_checks.h), and the ops that run them for any device: callers whose index
+// tensors live on a GPU use those to check slots, block ids and lengths before a run (each copies its
+// tensors to the host).
+#include "index_checks.h"
+
+#include <cstdlib>
+#include <string>
+
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include "op_params.h"
+#include "kernel_params.h"
 
 namespace fp8kv {
+
+void check_slot_mapping_indices(const at::Tensor& slot_mapping_any_device, int64_t num_slots_in_cache) {
+  const at::Tensor slot_mapping = slot_mapping_any_device.cpu();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slot_mapping.size(0); ++i) {
+    TORCH_CHECK(slots[i] < num_slots_in_cache, "fp8kv.reshape_and_cache: `slot_mapping`[", i, "] = ", slots[i],
+                " is outside the cache, which has num_blocks * block_size = ", num_slots_in_cache, " slots");
+  }
+}
+
+void check_paged_attention_indices(const at::Tensor& block_tables_any_device, const at::Tensor& seq_lens_any_device,
+                                   const std::optional<at::Tensor>& cu_seqlens_q_any_device, int64_t num_query_tokens,
+                                   int64_t block_size, int64_t num_blocks, int64_t sliding_window) {
+  constexpr const char* op = "fp8kv.paged_attention";
+  const at::Tensor block_tables = block_tables_any_device.cpu();
+  const at::Tensor seq_lens = seq_lens_any_device.cpu();
+  at::Tensor cu_seqlens_q;
+  if (cu_seqlens_q_any_device.has_value()) cu_seqlens_q = cu_seqlens_q_any_device->cpu();
+  const int64_t num_seqs = block_tables.size(0);
+  const int64_t capacity = block_tables.size(1) * block_size;
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* cu = cu_seqlens_q.defined() ? cu_seqlens_q.data_ptr<int32_t>() : nullptr;
+  if (cu != nullptr) {
+    TORCH_CHECK(cu[0] == 0, op, ": `cu_seqlens_q`[0] must be 0, got ", cu[0]);
+    TORCH_CHECK(cu[num_seqs] == num_query_tokens, op, ": `cu_seqlens_q`[-1] must equal the number of query rows ",
+                num_query_tokens, ", got ", cu[num_seqs]);
+  }
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t seq_len = lens[s];
+    const int64_t q_len = cu != nullptr ? cu[s + 1] - cu[s] : 1;
+    TORCH_CHECK(q_len >= 0, op, ": `cu_seqlens_q` must be non-decreasing, got cu_seqlens_q[", s, "] = ", cu[s],
+                " > cu_seqlens_q[", s + 1, "] = ", cu[s + 1]);
+    TORCH_CHECK(seq_len >= 0 && seq_len <= capacity, op, ": `seq_lens`[", s, "] = ", seq_len,
+                " must be in [0, max_blocks_per_seq * block_size = ", capacity, "]");
+    // A decode row with seq_len 0 is padding (output 0); a query row must otherwise see its own token.
+    TORCH_CHECK(seq_len >= q_len || (cu == nullptr && seq_len == 0), op, ": sequence ", s, " has ", q_len,
+                " query rows but `seq_lens`[", s, "] = ", seq_len, " cached tokens; the queried tokens must be cached");
+    if (seq_len == 0) continue;
+    // The first query row sees the earliest keys; the blocks from there to the last cached token are read.
+    const int64_t first_position = visible_keys<int64_t>(seq_len, q_len, 0, sliding_window).begin;
+    const int32_t* row = block_tables.data_ptr<int32_t>() + s * block_tables.stride(0);
+    for (int64_t b = first_position / block_size; b <= (seq_len - 1) / block_size; ++b) {
+      TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, op, ": `block_tables`[", s, ", ", b, "] = ", row[b],
+                  " must be a block id in [0, num_blocks = ", num_blocks, ")");
+    }
+  }
+}
+
+bool debug_checks_enabled() {
+  const char* value = std::getenv("FP8KV_DEBUG_CHECKS");
+  return value != nullptr && std::string(value) != "0" && value[0] != '\0';
+}
+
 namespace {
 
 void check_cache_write_indices_op(const at::Tensor& slot_mapping, const at::Tensor& key_cache) {

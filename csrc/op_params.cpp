@@ -2,10 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <initializer_list>
 #include <limits>
-#include <string>
+#include <optional>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -15,7 +14,8 @@
 namespace fp8kv {
 namespace {
 
-DType to_dtype(c10::ScalarType t) {
+// The DType of a scalar type, if the kernels know it.
+std::optional<DType> as_dtype(c10::ScalarType t) {
   switch (t) {
     case c10::ScalarType::Half: return DType::kFloat16;
     case c10::ScalarType::BFloat16: return DType::kBFloat16;
@@ -23,8 +23,21 @@ DType to_dtype(c10::ScalarType t) {
     case c10::ScalarType::Float8_e4m3fn: return DType::kFloat8E4M3FN;
     case c10::ScalarType::Float8_e5m2: return DType::kFloat8E5M2;
     case c10::ScalarType::Float8_e4m3fnuz: return DType::kFloat8E4M3FNUZ;
-    default: TORCH_CHECK(false, "fp8kv: unsupported dtype ", t);
+    default: return std::nullopt;
   }
+}
+
+DType to_dtype(c10::ScalarType t) {
+  const std::optional<DType> type = as_dtype(t);
+  TORCH_CHECK(type.has_value(), "fp8kv: unsupported dtype ", t);
+  return *type;
+}
+
+// Whether t is in `types`, one of the supported-dtype lists of dispatch.h.
+template <std::size_t N>
+bool is_one_of(const DType (&types)[N], c10::ScalarType t) {
+  const std::optional<DType> type = as_dtype(t);
+  return type.has_value() && contains(types, *type);
 }
 
 // The kernels index heads, rows, blocks and positions with int32. A table row may cover at most
@@ -135,11 +148,6 @@ void check_no_overlap(const char* op, std::initializer_list<Named> outputs, std:
   }
 }
 
-bool is_fp8_cache_dtype(c10::ScalarType t) {
-  return t == c10::ScalarType::Float8_e4m3fn || t == c10::ScalarType::Float8_e5m2 ||
-         t == c10::ScalarType::Float8_e4m3fnuz;
-}
-
 void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank, const char* layout) {
   TORCH_CHECK(t.dim() == rank, op, ": `", name, "` must have rank ", rank, " ", layout, ", got shape ", t.sizes());
 }
@@ -236,8 +244,7 @@ void check_cache_pair(const char* op, const at::Tensor& key_cache, const at::Ten
 void check_key_value(const char* op, const at::Tensor& key, const at::Tensor& value) {
   check_rank(op, "key", key, 3, "[num_tokens, num_kv_heads, head_size]");
   const auto t = key.scalar_type();
-  TORCH_CHECK(t == c10::ScalarType::Half || t == c10::ScalarType::BFloat16 || t == c10::ScalarType::Float, op,
-              ": `key` must be float16, bfloat16 or float32, got ", t);
+  TORCH_CHECK(is_one_of(kSourceDTypes, t), op, ": `key` must be ", format_list(kSourceDTypes, " or "), ", got ", t);
   check_last_dim_contiguous(op, "key", key);
   TORCH_CHECK(key.size(1) > 0 && key.size(2) > 0, op, ": `key` must have num_kv_heads >= 1 and head_size >= 1, got ",
               "shape ", key.sizes());
@@ -270,9 +277,8 @@ CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& val
   check_cache_pair(op, key_cache, value_cache);
   check_same_device(op, "key_cache", key_cache, key, "key");
   const auto cache_type = key_cache.scalar_type();
-  TORCH_CHECK(is_fp8_cache_dtype(cache_type) || cache_type == key.scalar_type(), op,
-              ": `key_cache` must be float8_e4m3fn, float8_e5m2, float8_e4m3fnuz or the dtype of `key` (",
-              key.scalar_type(), "), got ", cache_type);
+  TORCH_CHECK(is_one_of(kFp8DTypes, cache_type) || cache_type == key.scalar_type(), op, ": `key_cache` must be ",
+              format_list(kFp8DTypes), " or the dtype of `key` (", key.scalar_type(), "), got ", cache_type);
   TORCH_CHECK(key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2), op,
               ": `key_cache` [num_blocks, block_size, num_kv_heads, head_size] must match `key` [num_tokens, ",
               "num_kv_heads, head_size] in num_kv_heads and head_size, got ", key_cache.sizes(), " and ", key.sizes());
@@ -308,8 +314,8 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
   constexpr const char* op = "fp8kv.paged_attention";
   check_rank(op, "query", query, 3, "[num_query_tokens, num_heads, head_size]");
   const auto query_type = query.scalar_type();
-  TORCH_CHECK(query_type == c10::ScalarType::Half || query_type == c10::ScalarType::BFloat16, op,
-              ": `query` must be float16 or bfloat16, got ", query_type);
+  TORCH_CHECK(is_one_of(kQueryDTypes, query_type), op, ": `query` must be ", format_list(kQueryDTypes, " or "),
+              ", got ", query_type);
   check_last_dim_contiguous(op, "query", query);
   TORCH_CHECK(query.size(1) > 0 && query.size(2) > 0, op, ": `query` must have num_heads >= 1 and head_size >= 1, ",
               "got shape ", query.sizes());
@@ -328,9 +334,8 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
   check_cache_pair(op, key_cache, value_cache);
   check_same_device(op, "key_cache", key_cache, query, "query");
   const auto cache_type = key_cache.scalar_type();
-  TORCH_CHECK(is_fp8_cache_dtype(cache_type) || cache_type == query_type, op,
-              ": `key_cache` must be float8_e4m3fn, float8_e5m2, float8_e4m3fnuz or the dtype of `query` (",
-              query_type, "), got ", cache_type);
+  TORCH_CHECK(is_one_of(kFp8DTypes, cache_type) || cache_type == query_type, op, ": `key_cache` must be ",
+              format_list(kFp8DTypes), " or the dtype of `query` (", query_type, "), got ", cache_type);
   TORCH_CHECK(key_cache.size(3) == query.size(2), op, ": `key_cache` head_size (dim 3) must equal `query` head_size ",
               query.size(2), ", got ", key_cache.sizes());
   const int64_t num_kv_heads = key_cache.size(2);
@@ -416,58 +421,6 @@ AmaxParams amax_params(const at::Tensor& key, const at::Tensor& value, const at:
   p.v_amax = head_scalars(op, "v_amax", v_amax, p.num_kv_heads, key, "key", Scalars::kMaxima);
   check_no_overlap(op, {{"k_amax", &k_amax}, {"v_amax", &v_amax}}, {{"key", &key}, {"value", &value}});
   return p;
-}
-
-void check_slot_mapping_indices(const at::Tensor& slot_mapping_any_device, int64_t num_slots_in_cache) {
-  const at::Tensor slot_mapping = slot_mapping_any_device.cpu();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t i = 0; i < slot_mapping.size(0); ++i) {
-    TORCH_CHECK(slots[i] < num_slots_in_cache, "fp8kv.reshape_and_cache: `slot_mapping`[", i, "] = ", slots[i],
-                " is outside the cache, which has num_blocks * block_size = ", num_slots_in_cache, " slots");
-  }
-}
-
-void check_paged_attention_indices(const at::Tensor& block_tables_any_device, const at::Tensor& seq_lens_any_device,
-                                   const std::optional<at::Tensor>& cu_seqlens_q_any_device, int64_t num_query_tokens,
-                                   int64_t block_size, int64_t num_blocks, int64_t sliding_window) {
-  constexpr const char* op = "fp8kv.paged_attention";
-  const at::Tensor block_tables = block_tables_any_device.cpu();
-  const at::Tensor seq_lens = seq_lens_any_device.cpu();
-  at::Tensor cu_seqlens_q;
-  if (cu_seqlens_q_any_device.has_value()) cu_seqlens_q = cu_seqlens_q_any_device->cpu();
-  const int64_t num_seqs = block_tables.size(0);
-  const int64_t capacity = block_tables.size(1) * block_size;
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* cu = cu_seqlens_q.defined() ? cu_seqlens_q.data_ptr<int32_t>() : nullptr;
-  if (cu != nullptr) {
-    TORCH_CHECK(cu[0] == 0, op, ": `cu_seqlens_q`[0] must be 0, got ", cu[0]);
-    TORCH_CHECK(cu[num_seqs] == num_query_tokens, op, ": `cu_seqlens_q`[-1] must equal the number of query rows ",
-                num_query_tokens, ", got ", cu[num_seqs]);
-  }
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t seq_len = lens[s];
-    const int64_t q_len = cu != nullptr ? cu[s + 1] - cu[s] : 1;
-    TORCH_CHECK(q_len >= 0, op, ": `cu_seqlens_q` must be non-decreasing, got cu_seqlens_q[", s, "] = ", cu[s],
-                " > cu_seqlens_q[", s + 1, "] = ", cu[s + 1]);
-    TORCH_CHECK(seq_len >= 0 && seq_len <= capacity, op, ": `seq_lens`[", s, "] = ", seq_len,
-                " must be in [0, max_blocks_per_seq * block_size = ", capacity, "]");
-    // A decode row with seq_len 0 is padding (output 0); a query row must otherwise see its own token.
-    TORCH_CHECK(seq_len >= q_len || (cu == nullptr && seq_len == 0), op, ": sequence ", s, " has ", q_len,
-                " query rows but `seq_lens`[", s, "] = ", seq_len, " cached tokens; the queried tokens must be cached");
-    if (seq_len == 0) continue;
-    // The first query row sees the earliest keys; the blocks from there to the last cached token are read.
-    const int64_t first_position = visible_keys<int64_t>(seq_len, q_len, 0, sliding_window).begin;
-    const int32_t* row = block_tables.data_ptr<int32_t>() + s * block_tables.stride(0);
-    for (int64_t b = first_position / block_size; b <= (seq_len - 1) / block_size; ++b) {
-      TORCH_CHECK(row[b] >= 0 && row[b] < num_blocks, op, ": `block_tables`[", s, ", ", b, "] = ", row[b],
-                  " must be a block id in [0, num_blocks = ", num_blocks, ")");
-    }
-  }
-}
-
-bool debug_checks_enabled() {
-  const char* value = std::getenv("FP8KV_DEBUG_CHECKS");
-  return value != nullptr && std::string(value) != "0" && value[0] != '\0';
 }
 
 }  // namespace fp8kv

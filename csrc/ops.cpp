@@ -19,4 +19,6 @@ TORCH_LIBRARY(fp8kv, m) {
   m.def(
       "check_paged_attention_indices(Tensor block_tables, Tensor seq_lens, Tensor? cu_seqlens_q, "
       "int num_query_tokens, Tensor key_cache, int sliding_window=-1) -> ()");
+  // The kernels' supported-value lists by name (supported_values.cpp); no tensors.
+  m.def("supported_values(str name) -> int[]");
 }

@@ -18,6 +18,7 @@ import os
 import torch
 
 from fp8kv import ops
+from fp8kv._ops import supported_values
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, None]  # None: unquantized
 
@@ -84,18 +85,20 @@ def main():
         count += 1
         if args.small and count >= 4:
             break
-    heads = [128] if args.small else [64, 80, 96, 128, 192, 256]
+    heads = [128] if args.small else list(supported_values("cuda_head_sizes"))
+    block_sizes = supported_values("cuda_block_sizes")[:3]  # the smallest: sequences span many blocks
     for i, (head, cache) in enumerate(itertools.product(heads, FORMATS)):
         for j, (queries, long) in enumerate([("decode", True), ("prefill", False), ("decode", False),
                                               ("verify", True)]):
-            attention_case(head, [8, 16, 32][(i + j) % 3], [1, 4, 8, 16][(i + j) % 4], cache, queries,
+            attention_case(head, block_sizes[(i + j) % 3], [1, 4, 8, 16][(i + j) % 4], cache, queries,
                            hnd=(i + j) % 2 == 1, window=50 if j == 2 else -1, cap=20.0 if (i + j) % 3 == 0 else 0.0,
                            long=long)
             count += 1
-    if torch.cuda.get_device_capability() == (9, 0):
+    if torch.cuda.get_device_capability() == supported_values("cuda_sm90a_capability"):
         os.environ["FP8KV_MULTI_TOKEN_KERNEL"] = "sm90a"
-        for head, cache, queries in itertools.product([128] if args.small else [64, 128], [torch.float8_e4m3fn, None],
-                                                      ["verify", "prefill"]):
+        sm90a_heads = supported_values("cuda_sm90a_head_sizes")
+        for head, cache, queries in itertools.product(sm90a_heads[-1:] if args.small else sm90a_heads,
+                                                      [torch.float8_e4m3fn, None], ["verify", "prefill"]):
             attention_case(head, 16, 4, cache, queries, hnd=cache is None, window=50 if cache is None else -1,
                            cap=0.0 if cache is None else 20.0, long=True)
             count += 1

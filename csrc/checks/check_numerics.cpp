@@ -11,7 +11,7 @@
 #include <cstdio>
 #include <string>
 
-#include "../elements.h"
+#include "../float_conversions.h"
 #include "../fp8.h"
 #include "../kernel_params.h"
 

@@ -1,6 +1,7 @@
 // CPU registrations: validate, check index tensors (already on the host), run the kernel.
 #include <torch/library.h>
 
+#include "../index_checks.h"
 #include "../op_params.h"
 #include "kernels.h"
 

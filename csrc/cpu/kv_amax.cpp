@@ -5,8 +5,8 @@
 
 #include <ATen/Parallel.h>
 
-#include "../elements.h"
-#include "elements.h"
+#include "../float_conversions.h"
+#include "dtype_dispatch.h"
 #include "kernels.h"
 
 namespace fp8kv::cpu {

@@ -5,9 +5,9 @@
 
 #include <ATen/Parallel.h>
 
-#include "../elements.h"
+#include "../float_conversions.h"
 #include "../hadamard.h"
-#include "elements.h"
+#include "dtype_dispatch.h"
 #include "kernels.h"
 
 namespace fp8kv::cpu {

@@ -1,6 +1,6 @@
-// What every CUDA attention kernel does around its main loop, the same way: fold the scales, load
-// query fragments, and write each (query row, head)'s result (the epilogue), either normalized into
-// `out` or as its split's partial result for the merge (merge.cuh).
+// What every CUDA attention kernel does around its main loop, the same way: fold the scales, keep
+// the online softmax, load query fragments, and write each (query row, head)'s result (the
+// epilogue), either normalized into `out` or as its split's partial result for the merge (merge.cu).
 #pragma once
 
 #include "device.cuh"
@@ -46,6 +46,17 @@ struct OnlineSoftmax {
     row_max[0] = row_max[1] = -INFINITY;
     row_sum[0] = row_sum[1] = 0.f;
   }
+
+  // Lazy rescale (kRescaleSlack): row r's running max moves only when a tile's max exceeds this.
+  __device__ __forceinline__ float rescale_threshold(int r) const { return row_max[r] + kRescaleSlack; }
+
+  // Moves row r's running max to new_max; `factor`: what its sum took, and its accumulators must
+  // take (0 when the old max is -inf).
+  __device__ __forceinline__ void move_max(int r, float new_max, float& factor) {
+    factor = fast_exp2(row_max[r] - new_max);
+    row_sum[r] *= factor;
+    row_max[r] = new_max;
+  }
 };
 
 // One (query row, head)'s query: pair(dim) packs elements dim and dim + 1 as an mma operand register
@@ -82,7 +93,9 @@ struct QueryRow {
 // normalized by the softmax denominator `sum` and scaled by v_scale (zeros when no key was visible);
 // with several, scaled by v_scale into the split's partial results with the row's max and sum (the
 // merge is then a plain log-sum-exp over splits). write_row stores a row's pairs from one row base
-// (pairs(store) calls store(d, o0, o1) for each pair of dims d, d + 1); write_pair stores one pair.
+// (pairs(store) calls store(d, o0, o1) for each pair of dims d, d + 1); write_pair stores one pair
+// (two forms, as the kernels' address arithmetic differs: folding one into the other changes the
+// generated code of the kernel that loses its own).
 __device__ __forceinline__ float output_norm(float v_scale, float sum) { return sum > 0.f ? v_scale / sum : 0.f; }
 
 __device__ __forceinline__ int64_t partial_slot(const PagedAttentionParams& p, const SplitWorkspace& ws, int split,

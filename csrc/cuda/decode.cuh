@@ -1,5 +1,5 @@
 // CUDA paged-attention decode kernel over an FP8 (or 16-bit) cache: one query token per sequence
-// (multi-token queries: prefill.cuh). Design notes: docs/cuda_decode_design.md. Instantiated per cache
+// (multi-token queries: multi_token.cuh). Design notes: docs/cuda_decode_design.md. Instantiated per cache
 // format by paged_attention_<format>.cu.
 #pragma once
 #include <algorithm>
@@ -292,13 +292,11 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
   for (int c = 0; c < 2; ++c) {
 #pragma unroll
     for (int mask = 4; mask < 32; mask <<= 1) tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], mask));
-    if (tile_max[c] > st.row_max[c] + kRescaleSlack) {
-      const float new_max = fmaxf(tile_max[c], st.row_max[c]);
-      const float rescale = fast_exp2(st.row_max[c] - new_max);  // 0 when the old max is -inf
-      st.row_sum[c] *= rescale;
+    if (tile_max[c] > st.rescale_threshold(c)) {
+      float rescale;
+      st.move_max(c, fmaxf(tile_max[c], st.row_max[c]), rescale);
 #pragma unroll
       for (int j = 0; j < D / 16; ++j) st.acc[j][c] *= rescale, st.acc[j][c + 2] *= rescale;
-      st.row_max[c] = new_max;
     }
   }
   float prob[4];
@@ -367,9 +365,9 @@ __device__ __forceinline__ void prefetch_item(const PagedAttentionParams& p, con
   if (threadIdx.x == 0) copy_async<4>(seq_len, p.seq_lens + at.seq, true);
 }
 
-// An item's rows (query heads of one chunk of the group) and cache range from its sequence length.
-// Every row sees the same positions, [w.lo, w.hi).
-__device__ __forceinline__ void plan_item(const PagedAttentionParams& p, const WorkQueue& queue, const ItemIndex& at,
+// An item's work: its rows (query heads of one chunk of the group) and cache range from its sequence
+// length. Every row sees the same positions, [w.lo, w.hi).
+__device__ __forceinline__ void item_work(const PagedAttentionParams& p, const WorkQueue& queue, const ItemIndex& at,
                                           int seq_len, CtaWork& w, RowSet& rows) {
   const int group = p.num_heads / p.num_kv_heads;
   const int head_chunk = at.row_chunk - at.seq * ((group + kRows - 1) / kRows);
@@ -533,7 +531,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
   // Starts the item `at` from its shared buffer: its range, its first kStages - 1 tiles (one copy
   // group each) and its query loads (raw bits in q_frag; query_operands converts them).
   auto begin_item = [&]() {
-    plan_item(p, queue, at, shared.seq_len[buffer], w, rows);
+    item_work(p, queue, at, shared.seq_len[buffer], w, rows);
     first_tile = (w.lo / kTileTokens) * kTileTokens;
     const int num_tiles = w.hi > w.lo ? (w.hi - first_tile + kTileTokens - 1) / kTileTokens : 0;
     // Warp `warp` takes tiles warp, warp + kWarps, ... of the item.
@@ -620,12 +618,11 @@ cudaError_t launch_head(const PagedAttentionParams& p, const AttentionPlan& plan
   const int64_t items = plan.row_chunks * plan.num_splits * p.num_kv_heads;
   const WorkQueue queue{taken, static_cast<int>(items), static_cast<int>(plan.row_chunks), plan.split_tokens,
                         pages_bytes(plan, p.block_size) / 4};
-  cudaError_t status = cudaMemsetAsync(taken, 0, sizeof(int), stream);
+  const cudaError_t status = cudaMemsetAsync(taken, 0, sizeof(int), stream);
   if (status != cudaSuccess) return status;
   const auto ctas = static_cast<unsigned>(std::min(items, plan.ctas));
   decode_kernel<C, D><<<ctas, kThreads, launch_smem_bytes<C, D>(plan, p.block_size), stream>>>(p, ws, queue);
-  status = cudaGetLastError();
-  return status != cudaSuccess || plan.num_splits == 1 ? status : merge::launch(p, ws, stream);
+  return merge::after_attention(p, ws, stream);
 }
 
 template <DType C>
@@ -639,12 +636,12 @@ cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, con
 // CTAs per SM that fit with the plan's shared memory: every CTA of the persistent grid must be
 // resident at once (a CTA that starts late would start its first item late).
 template <DType C>
-int resident_ctas(const AttentionPlan& plan, int head_size, int block_size) {
+int occupancy(const AttentionPlan& plan, int head_size, int block_size) {
   return dispatch<kCudaHeadSizes>(head_size, 0, [&](auto head) {
     constexpr int kHead = decltype(head)::value;
-    return cuda::resident_ctas(reinterpret_cast<const void*>(decode_kernel<C, kHead>), kThreads,
-                               Staging<C, kHead>::kPagesOffset + 2 * kMaxPages * 4,
-                               launch_smem_bytes<C, kHead>(plan, block_size));
+    return kernel_occupancy(reinterpret_cast<const void*>(decode_kernel<C, kHead>), kThreads,
+                            Staging<C, kHead>::kPagesOffset + 2 * kMaxPages * 4,
+                            launch_smem_bytes<C, kHead>(plan, block_size));
   });
 }
 

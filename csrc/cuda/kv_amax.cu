@@ -3,7 +3,7 @@
 // CTA = (K or V, head, chunk of tokens). |x| is non-negative, so its float bits order like signed
 // integers, with every NaN (sign cleared) above +inf: an integer max reduces and propagates NaN
 // in one operation, and atomicMax folds into the running maximum.
-#include "../elements.h"
+#include "../float_conversions.h"
 #include "device.cuh"
 #include "../gpu/kernels.h"
 

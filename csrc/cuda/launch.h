@@ -1,8 +1,9 @@
 // Host-side pieces shared by the CUDA paged-attention launchers (paged_attention.cu and the
-// per-format kernel files): the kernels' launch entry points, the merge launch, and per-device
-// occupancy.
+// per-format kernel files): the kernels' launch entry points and occupancy, the merge launch, and
+// the per-device occupancy query.
 #pragma once
 
+#include "../gpu/kernels.h"
 #include "tiles.h"
 
 namespace fp8kv::cuda {
@@ -10,33 +11,48 @@ namespace fp8kv::cuda {
 // Raises `kernel`'s dynamic shared-memory limit to max_smem_bytes on the current device and returns
 // its resident CTAs per SM with smem_bytes of dynamic shared memory (0 on error); computed once per
 // (kernel, device, smem_bytes).
-int resident_ctas(const void* kernel, int threads, int max_smem_bytes, int smem_bytes);
+int kernel_occupancy(const void* kernel, int threads, int max_smem_bytes, int smem_bytes);
 
 namespace merge {
 // Merges the splits of ws into p.out (merge.cu): a programmatic dependent launch on sm_90+, so it
 // starts while the attention grid before it finishes once that grid allows it (the decode kernel
 // does); a plain launch elsewhere.
 cudaError_t launch(const PagedAttentionParams& p, const SplitWorkspace& ws, cudaStream_t stream);
+
+// What an attention launcher returns after launching its kernel: the launch's status, or with
+// several splits the merge's, launched after it.
+inline cudaError_t after_attention(const PagedAttentionParams& p, const SplitWorkspace& ws, cudaStream_t stream) {
+  const cudaError_t status = cudaGetLastError();
+  return status != cudaSuccess || ws.num_splits == 1 ? status : launch(p, ws, stream);
+}
 }  // namespace merge
 
-// Defined per cache format in paged_attention_<format>.cu: resident_ctas returns the kernel's
-// resident CTAs per SM on the current device (0 on error or for an unsupported head size); the
-// decode kernel's depends on the plan's split size (its block-table slices).
+// The kernels' entry points, defined per cache format in paged_attention_<format>.cu. `occupancy`:
+// the kernel's resident CTAs per SM on the current device (0 on error or for an unsupported head
+// size); the decode kernel's depends on the plan's split size (its block-table slices).
 namespace decode {
 // `taken`: the work queue's counter (zeroed by the launch).
 template <DType C>
 cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws, int* taken,
                    cudaStream_t stream);
 template <DType C>
-int resident_ctas(const AttentionPlan& plan, int head_size, int block_size);
+int occupancy(const AttentionPlan& plan, int head_size, int block_size);
 }  // namespace decode
 
-namespace prefill {
+namespace multi_token::sm80 {
 template <DType C>
 cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
                    cudaStream_t stream);
 template <DType C>
-int resident_ctas(int head_size, bool deep_staging, bool warp_specialized);
-}  // namespace prefill
+int occupancy(int head_size, bool deep_staging);
+}  // namespace multi_token::sm80
+
+namespace multi_token::sm90a {
+template <DType C>
+cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
+                   cudaStream_t stream);
+template <DType C>
+int occupancy(int head_size);
+}  // namespace multi_token::sm90a
 
 }  // namespace fp8kv::cuda

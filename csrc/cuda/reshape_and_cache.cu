@@ -3,7 +3,7 @@
 // (docs/rotated_cache.md) has its own kernel: the threads of a row rotate it together first.
 #include <algorithm>
 
-#include "../elements.h"
+#include "../float_conversions.h"
 #include "device.cuh"
 #include "hadamard.cuh"
 #include "../gpu/kernels.h"

@@ -1,15 +1,14 @@
-// Tile geometry and the tuning values chosen for the CUDA paged-attention kernels (decode, prefill,
-// merge), shared by the kernels and the host planner. Each chosen value says why, briefly; the H100
-// measurements behind them: docs/perf_notes.md, docs/cuda_decode_design.md, docs/cuda_prefill_design.md.
+// Tile geometry and the tuning values the CUDA paged-attention kernels (decode, multi-token, merge)
+// are compiled with, shared by the kernels and the host planner (heuristics.h). Each chosen value says
+// why, briefly; the H100 measurements behind them: docs/perf_notes.md, docs/cuda_decode_design.md,
+// docs/cuda_prefill_design.md.
 #pragma once
 
 #include <cstdint>
 
-#include "../gpu/kernels.h"
+#include "attention_plan.h"
 
 namespace fp8kv::cuda {
-
-using gpu::AttentionPlan;
 
 // Per-split partial results in the workspace (plan.workspace_bytes), fp32, when num_splits > 1.
 struct SplitWorkspace {
@@ -24,8 +23,6 @@ struct SplitWorkspace {
 // denominator share the max).
 inline constexpr float kRescaleSlack = 8.0f;
 inline constexpr float kLog2e = 1.4426950408889634f;
-// Splitting a short context costs more in the merge than it gains: several tiles per warp per split.
-inline constexpr int64_t kMinSplitTokens = 512;
 
 namespace merge {
 constexpr int kMaxSplits = 256;       // splits one merge CTA handles (one thread per split)
@@ -44,28 +41,23 @@ struct WorkQueue {
 };
 
 constexpr int kWarps = 4;         // 8 warps only helped batch 1; 4 leaves room for 4 CTAs per SM
-constexpr int kMaxStages = 2;     // tiles staged per warp: 3-4 stages fit fewer CTAs per SM and were slower
-// Register cap: four CTAs per SM for head sizes up to 128, whose loop fits 128 registers without
-// spills (uncapped, the persistent loop takes 142-148); larger heads spill under that cap, and
-// capping for 5-6 CTAs per SM spilled and was slower.
+// Tiles staged per warp: more fit fewer CTAs per SM and were slower (perf_notes.md, section 4).
+constexpr int kMaxStages = 2;
+// Register cap: four CTAs per SM for head sizes up to 128, whose persistent loop fits 128 registers
+// without spills (perf_notes.md, section 6); larger heads spill under that cap, and capping for 5-6
+// CTAs per SM spilled and was slower.
 constexpr int min_ctas_per_sm(int head_size) { return head_size <= 128 ? 4 : 1; }
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileTokens = 16;   // keys per tile: the mma's M
 constexpr int kRows = 8;          // query rows per CTA: the mma's N
 constexpr int kTileGroup = kTileTokens * kWarps;  // split_tokens is a multiple of the warps' tiles
-// Persistent CTAs per SM (at most what fits): each takes work items (a sequence's query-head chunk
-// at one KV head over one split) until none is left, and requests the next item's block table and
-// first tiles before it merges the current one, so the per-item ramp is paid once per CTA. On an
-// H100 (Llama-3-8B geometry) B256 x 1k went from 214.1 µs (one CTA per item, four waves) to 197.6;
-// two persistent CTAs per SM were slower than four on 7 of 8 shapes (by 1-7%).
-constexpr int kCtasPerSm = 4;
-// Splits are sized for about this many work items per SM: each split adds a partial result to merge,
-// and finer items did not shorten the uneven finish (same H100 sweep: 4, 8 or 16 items per SM were
-// equal or slower than 2 on every shape, by up to 24%; before the persistent grid, B1 x 32k took
-// 38.7 µs at 33 splits against 41.3 at 64). See docs/perf_notes.md, section 6.
-constexpr int kItemsPerSm = 2;
 // Block-table entries a CTA stages (caps split_tokens at (kMaxPages - 2) * block_size).
 constexpr int kMaxPages = 2048;
+
+// Positions of one split, at most: the block-table slice a CTA stages, in whole tile groups.
+inline int64_t max_split_tokens(int block_size) {
+  return (static_cast<int64_t>(kMaxPages - 2) * block_size) / kTileGroup * kTileGroup;
+}
 
 inline int pages_bytes(const AttentionPlan& plan, int block_size) {
   const int pages = plan.split_tokens / block_size + 2 < kMaxPages ? plan.split_tokens / block_size + 2 : kMaxPages;
@@ -73,23 +65,9 @@ inline int pages_bytes(const AttentionPlan& plan, int block_size) {
 }
 }  // namespace decode
 
-namespace prefill {
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kWarpRows = 16;              // query rows per warp: the mma's M
-constexpr int kRows = kWarpRows * kWarps;  // query rows per CTA
-constexpr int kSplitAlign = 64;            // split_tokens is a multiple of every head size's key tile
-// Two stagings of the same kernel. Shallow (2 stages, 3 CTAs per SM where registers allow) keeps
-// the tensor cores busy when CTAs have many rows (prefill); deep (4 stages, 3 tiles in flight,
-// 2 CTAs per SM) keeps enough bytes in flight when they have few (verification, decode rows), as
-// the kernel is then bound by memory.
-constexpr int kShallowStages = 2;
-constexpr int kDeepStages = 4;
-constexpr int min_ctas_per_sm(int head_size, int stages) { return head_size <= 128 && stages == kShallowStages ? 3 : 2; }
-// Deep staging when the average sequence's query rows fit one warp (decided from host shapes).
-inline bool use_deep_staging(int64_t num_query_tokens, int group, int num_seqs) {
-  return num_query_tokens * group <= kWarpRows * static_cast<int64_t>(num_seqs);
-}
+namespace multi_token {
+constexpr int kWarpRows = 16;    // query rows per warp: the mma's M
+constexpr int kSplitAlign = 64;  // split_tokens is a multiple of every head size's key tile
 
 // How a CTA's rows map to (query token, query head): the heads of one KV head's group vary
 // fastest, so every K/V tile read from the cache serves all of them. `rows`: query rows per CTA.
@@ -107,18 +85,30 @@ struct RowMap {
   }
 };
 
-// The warp-specialized kernel for sm_90a (prefill_hopper.cuh): one producer warpgroup copies and
+// The mma.sync kernel (multi_token_sm80.cuh): every warp of a CTA takes 16 of its rows.
+namespace sm80 {
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = kWarpRows * kWarps;  // query rows per CTA
+// Two stagings of the same kernel. Shallow (2 stages, 3 CTAs per SM where registers allow) keeps
+// the tensor cores busy when CTAs have many rows (prefill); deep (4 stages, 3 tiles in flight,
+// 2 CTAs per SM) keeps enough bytes in flight when they have few (verification, decode rows), as
+// the kernel is then bound by memory.
+constexpr int kShallowStages = 2;
+constexpr int kDeepStages = 4;
+constexpr int min_ctas_per_sm(int head_size, int stages) { return head_size <= 128 && stages == kShallowStages ? 3 : 2; }
+}  // namespace sm80
+
+// The warp-specialized kernel for sm_90a (multi_token_sm90a.cuh): one producer warpgroup copies and
 // converts K/V tiles, two consumer warpgroups of 64 query rows each run warpgroup MMAs on them.
-namespace hopper {
+namespace sm90a {
 constexpr int kWarpgroupThreads = 128;
 constexpr int kConsumers = 2;  // two consumer warpgroups: one's softmax overlaps the other's MMAs
 constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
 constexpr int kRows = 64 * kConsumers;  // the warpgroup MMA's M per consumer
 constexpr int kKeys = 64;               // keys per tile: S is 64 x 64 per consumer (32 registers)
 static_assert(kSplitAlign % kKeys == 0, "splits must start on a tile");
-// Head sizes it has: multiples of the 64-element swizzle row whose accumulators fit the registers.
-inline constexpr int kHeadSizes[] = {64, 128};
-}  // namespace hopper
-}  // namespace prefill
+}  // namespace sm90a
+}  // namespace multi_token
 
 }  // namespace fp8kv::cuda

@@ -11,6 +11,7 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
+#include "../index_checks.h"
 #include "../op_params.h"
 #include "kernels.h"
 

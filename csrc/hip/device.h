@@ -8,7 +8,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "../elements.h"
+#include "../float_conversions.h"
 #include "../fp8.h"
 #include "../kernel_params.h"
 

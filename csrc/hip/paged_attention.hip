@@ -115,12 +115,12 @@ struct PagePosition {
 
 // One lane's 8 dimensions of one KV head's cache rows.
 template <typename Cache>
-struct LaneRows {
+struct LaneCacheRows {
   const typename Cache::Storage* base;
   int64_t block_stride;
   int64_t token_stride;
 
-  __device__ LaneRows(const CacheView& cache, int kv_head, int dim0)
+  __device__ LaneCacheRows(const CacheView& cache, int kv_head, int dim0)
       : base(static_cast<const typename Cache::Storage*>(cache.data) + kv_head * cache.head_stride + dim0),
         block_stride(cache.block_stride),
         token_stride(cache.token_stride) {}
@@ -203,8 +203,8 @@ __global__ __launch_bounds__(kThreads) void paged_attention_kernel(PagedAttentio
     head_sum[threadIdx.x] = 0.0f;
   }
 
-  const LaneRows<Cache> key_rows(p.key_cache, kv_head, dim0);
-  const LaneRows<Cache> value_rows(p.value_cache, kv_head, dim0);
+  const LaneCacheRows<Cache> key_rows(p.key_cache, kv_head, dim0);
+  const LaneCacheRows<Cache> value_rows(p.value_cache, kv_head, dim0);
   const float logit_scale = p.softmax_scale * *p.k_scale.at(kv_head) * Cache::kUnpackScale;
   float* logits = shared;  // [kHeads][kChunkTokens]
   float acc[kHeads][kDimsPerLane] = {};
@@ -412,9 +412,10 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
   if (p.num_heads > kMaxGridY || static_cast<int64_t>(p.num_kv_heads) * head_tiles(p) > kMaxGridY) {
     return "too many heads for one grid (at most 65535 query heads)";
   }
-  if (p.cu_seqlens_q != nullptr && requested_multi_token_kernel() != MultiTokenKernel::kAuto) {
+  const char* kernel = requested_multi_token_kernel();
+  if (p.cu_seqlens_q != nullptr && kernel != nullptr) {
     return std::string("environment variable ") + kMultiTokenKernelVariable + " must be unset, empty or \"auto\" " +
-           "(this backend has one multi-token kernel), got \"" + std::getenv(kMultiTokenKernelVariable) + "\"";
+           "(this backend has one multi-token kernel), got \"" + kernel + "\"";
   }
   return "";
 }

@@ -77,6 +77,13 @@ def _check_paged_attention_indices_fake(block_tables, seq_lens, cu_seqlens_q, nu
     return None  # needs the index values: nothing to check while tracing
 
 
+def supported_values(name: str) -> tuple[int, ...]:
+    """One of the kernels' lists of supported values, as the library holds them (csrc/dispatch.h):
+    "cuda_head_sizes", "cuda_block_sizes", "cuda_sm90a_head_sizes" (the warpgroup-MMA multi-token
+    kernel's) or "cuda_sm90a_capability" (the compute capability that kernel runs on)."""
+    return tuple(torch.ops.fp8kv.supported_values(name))
+
+
 def has_cuda_kernels() -> bool:
     """True when the library was built with its CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("fp8kv::paged_attention", "CUDA")

@@ -467,11 +467,12 @@ def test_generate_busy_time_counts_overlaps_once_and_picks_attention_kernels():
                kernel("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 40, 41),
                kernel("void pytorch_flash::flash_fwd_splitkv_kernel<...>", 50, 52),
                kernel("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", 60, 61),
-               kernel("void fp8kv::cuda::prefill::prefill_kernel<(fp8kv::DType)3, 128, 4>(...)", 70, 75)]
+               kernel("void fp8kv::cuda::multi_token::sm80::sm80_kernel<(fp8kv::DType)3, 128, 4>(...)", 70, 75),
+               kernel("void fp8kv::cuda::multi_token::sm90a::sm90a_kernel<(fp8kv::DType)3, 128>(...)", 80, 83)]
     attention = [k for k in kernels if generate.ATTENTION_KERNELS.search(k.name)]
-    assert [k.time_range.start for k in attention] == [0, 8, 40, 50, 60, 70]  # not the cache write, not the GEMM
-    assert generate.covered_us(kernels) == 12 + 1 + 10 + 1 + 2 + 1 + 5
-    assert generate.covered_us(attention) == 12 + 1 + 2 + 1 + 5
+    assert [k.time_range.start for k in attention] == [0, 8, 40, 50, 60, 70, 80]  # not the cache write, not the GEMM
+    assert generate.covered_us(kernels) == 12 + 1 + 10 + 1 + 2 + 1 + 5 + 3
+    assert generate.covered_us(attention) == 12 + 1 + 2 + 1 + 5 + 3
     assert generate.covered_us([kernel("a", 0, 10), kernel("b", 2, 5)]) == 10  # nested: counted once
     assert generate.covered_us([]) == 0
 

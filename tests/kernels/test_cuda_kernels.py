@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fp8kv
+from fp8kv._ops import supported_values
 from reference import (CACHE_FORMATS, FORMAT_BY_NAME, AttentionReference, all_16bit_values, allocate_caches,
                        assert_within, bits, cache_dtype, make_paged_attention_inputs, quantize,
                        random_kv)
@@ -161,13 +162,14 @@ def test_multi_token_kernel_variable_is_checked(monkeypatch):
 
 def test_sm90a_kernel_request_that_cannot_run_is_refused(monkeypatch):
     monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "sm90a")
+    head_sizes, capability = supported_values("cuda_sm90a_head_sizes"), supported_values("cuda_sm90a_capability")
     inputs = attention_inputs(96, [30])
-    with pytest.raises(RuntimeError, match=r"FP8KV_MULTI_TOKEN_KERNEL=sm90a needs .* head_size one of 64, 128 "
-                                           r"\(got 96\)"):
+    with pytest.raises(RuntimeError, match=rf"FP8KV_MULTI_TOKEN_KERNEL=sm90a needs .* head_size one of "
+                                           rf"{', '.join(map(str, head_sizes))} \(got 96\)"):
         inputs.run()
-    if torch.cuda.get_device_capability() != (9, 0):
-        with pytest.raises(RuntimeError, match="compute capability 9.0 device"):
-            attention_inputs(128, [30]).run()
+    if torch.cuda.get_device_capability() != capability:
+        with pytest.raises(RuntimeError, match=rf"compute capability {capability[0]}\.{capability[1]} device"):
+            attention_inputs(head_sizes[-1], [30]).run()
 
 
 @pytest.mark.parametrize("multi_token", [False, True])

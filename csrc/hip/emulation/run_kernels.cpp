@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "../../fp8.h"
-#include "../../elements.h"
+#include "../../float_conversions.h"
 #include "../../gpu/kernels.h"
 
 namespace fp8kv {
@@ -31,18 +31,6 @@ void report(bool ok, const std::string& name, const std::string& detail) {
     ++failed;
     std::printf("FAILED %s: %s\n", name.c_str(), detail.c_str());
   }
-}
-
-const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::kFloat16: return "f16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kFloat32: return "f32";
-    case DType::kFloat8E4M3FN: return "e4m3fn";
-    case DType::kFloat8E5M2: return "e5m2";
-    case DType::kFloat8E4M3FNUZ: return "e4m3fnuz";
-  }
-  return "?";
 }
 
 // Typed access to raw element buffers.

@@ -3,21 +3,20 @@
 // converted to 16-bit operands in the swizzled layout the tensor cores read; 16-bit tiles straight
 // into that layout) and hands it over through named barriers; two consumer warpgroups of 64 query
 // rows each compute S = Q K^T and O += P V as warpgroup MMAs with Q and P in registers, and the
-// softmax step of prefill.cuh between them, pipelined one tile deep and taking turns (ping-pong) so
+// softmax step of multi_token.cuh between them, pipelined one tile deep and taking turns (ping-pong) so
 // that softmax overlaps MMAs, while the producer's conversion overlaps both. Design:
 // docs/cuda_prefill_design.md.
 #pragma once
 
-#include "prefill.cuh"
+#include "multi_token.cuh"
 #include "wgmma.cuh"
 
-namespace fp8kv::cuda::prefill {
-namespace hopper {
+namespace fp8kv::cuda::multi_token::sm90a {
 
 // Named barriers (16 per CTA, 0 is __syncthreads): full_barrier(c, s), the producer has filled stage s
 // for consumer c (one per consumer, so that the consumers need not meet at every tile); kEmptyBarrier
 // + s, both consumers are done with stage s; the producer warpgroup's own; kTurnBarrier + c, consumer
-// c may issue its MMAs (ping-pong).
+// c may issue its MMAs (ping-pong, see consume).
 constexpr int kMaxStages = 4;
 constexpr int kEmptyBarrier = 1 + kConsumers * kMaxStages;
 constexpr int kProducerBarrier = kEmptyBarrier + kMaxStages;
@@ -26,11 +25,7 @@ static_assert(kTurnBarrier + kConsumers <= 16, "named barriers");
 __device__ __forceinline__ int full_barrier(int consumer, int stage) { return 1 + consumer * kMaxStages + stage; }
 constexpr int kPairThreads = 2 * kWarpgroupThreads;  // a full or turn barrier's two warpgroups
 
-// Ping-pong (as FlashAttention-3): the consumers take turns issuing their MMAs, so that one's
-// softmax runs while the tensor cores work through the other's MMAs rather than both at once. The
-// consumers then go through the same tiles (those of the CTA), masking those of the other's rows.
-constexpr bool kPingPong = true;
-static_assert(!kPingPong || kConsumers == 2, "the turn protocol below is written for two consumers");
+static_assert(kConsumers == 2, "the turn protocol of consume is written for two consumers");
 
 // Shared-memory geometry. An operand (the K or the V of one tile) is D / 64 regions of kKeys swizzled
 // rows, dims 64h .. 64h + 63 in region h; a stage holds K, then V.
@@ -88,29 +83,20 @@ struct RawTileShare {
   }
 };
 
-// The producer is warpgroup 0 and stages tiles with the sm80 kernel's copy loop (stage_tile), written
-// for that kernel's 128 threads indexed by threadIdx.x.
-static_assert(prefill::kThreads == kWarpgroupThreads, "the producer warpgroup runs stage_tile");
-
 // The producer warpgroup: stages tiles first_tile, first_tile + kKeys, ... (num_tiles of them) and
 // publishes each on both consumers' full barriers of its stage once its operands are in shared memory.
 template <DType C, int D>
-__device__ __forceinline__ void produce(const PagedAttentionParams& p, const PrefillWork& w, int first_tile,
+__device__ __forceinline__ void produce(const PagedAttentionParams& p, const CtaWork& w, int first_tile,
                                        int num_tiles, uint8_t* smem) {
   using S = Stages<C, D>;
   const int32_t* table_row = p.block_tables + w.seq * p.block_table_stride;
   uint8_t* raw = smem + S::kStages * S::kStageBytes;
+  // Warpgroup 0: threads 0 .. kWarpgroupThreads - 1 stage the tiles.
   auto stage = [&](int tile, uint8_t* dst) {
-    const int start = first_tile + tile * kKeys;
-    if constexpr (S::kFp8) {
-      stage_tile<C, D, kKeys>(p, w, table_row, start, dst, [](int key, int chunk) { return key * D + chunk * 16; },
-                              kKeys * D);
-    } else {
-      stage_tile<C, D, kKeys>(
-          p, w, table_row, start, dst,
-          [](int key, int chunk) { return static_cast<int>(swizzled_operand_offset<D>(key, chunk)); },
-          S::kOperandBytes);
-    }
+    stage_tile<C, D, kKeys, kWarpgroupThreads>(
+        p, w, table_row, first_tile + tile * kKeys, dst,
+        [](int key, int chunk) { return static_cast<int>(swizzled_operand_offset<D>(key, chunk)); },
+        S::kOperandBytes);
   };
   // A stage is refilled once the consumers are done with the tile kStages before.
   auto wait_empty = [&](int tile) {
@@ -170,36 +156,27 @@ struct WarpgroupRange {
   int lo, hi, interior_lo, interior_hi;
 };
 
-// Consumer `consumer`: it takes every tile the producer publishes and attends to tiles [begin, end)
-// into st: with ping-pong all of them, else those its rows see (their range is contiguous).
-// Pipelined one tile deep: tile k's S = Q K^T and tile k - 1's O += P V are issued together, and tile
-// k's softmax runs while the latter is in flight; a stage is released (when the producer will refill
-// it) once its P V is done.
+// Consumer `consumer`: it attends to every tile the producer publishes, into st (the tiles its rows do
+// not see are masked). Pipelined one tile deep: tile k's S = Q K^T and tile k - 1's O += P V are
+// issued together, and tile k's softmax runs while the latter is in flight; a stage is released (when
+// the producer will refill it) once its P V is done. Ping-pong (as FlashAttention-3): the consumers
+// take turns issuing their MMAs, so that one's softmax runs while the tensor cores work through the
+// other's MMAs rather than both at once.
 template <DType C, int D>
-__device__ __forceinline__ void consume(int consumer, const LaneRows& rows, const WarpgroupRange& range,
+__device__ __forceinline__ void consume(int consumer, const LaneQueryRows& rows, const WarpgroupRange& range,
                                        const uint32_t (&q_frag)[D / 16][4], float multiplier, float soft_cap,
                                        int first_tile, int num_tiles, uint32_t smem, WarpState<D>& st) {
   using S = Stages<C, D>;
   constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
-  int begin = 0, end = num_tiles;
-  if (!kPingPong) {
-    const bool sees_any = range.lo < range.hi;
-    begin = sees_any ? (range.lo - first_tile) / kKeys : num_tiles;
-    end = sees_any ? min(num_tiles, (range.hi - first_tile + kKeys - 1) / kKeys) : num_tiles;
-  }
 
   auto acquire = [&](int k) { wgmma::barrier_sync(full_barrier(consumer, k % S::kStages), kPairThreads); };
   // Turns alternate consumer 0, 1, 0, 1, ...: each waits for its turn before issuing MMAs and passes it
   // on after (consumer 1 gives consumer 0 its first turn and does not pass its last). Both take
-  // end - begin + 1 turns (the first tile's S, one per further tile, the last tile's P V).
-  auto take_turn = [&]() {
-    if constexpr (kPingPong) wgmma::barrier_sync(kTurnBarrier + consumer, kPairThreads);
-  };
+  // num_tiles + 1 turns (the first tile's S, one per further tile, the last tile's P V).
+  auto take_turn = [&]() { wgmma::barrier_sync(kTurnBarrier + consumer, kPairThreads); };
   auto pass_turn = [&](bool last) {
-    if constexpr (kPingPong) {
-      const int next = (consumer + 1) % kConsumers;
-      if (!(last && next == 0)) wgmma::barrier_arrive(kTurnBarrier + next, kPairThreads);
-    }
+    const int next = (consumer + 1) % kConsumers;
+    if (!(last && next == 0)) wgmma::barrier_arrive(kTurnBarrier + next, kPairThreads);
   };
   auto release = [&](int k) {
     if (k + S::kStages < num_tiles) wgmma::barrier_arrive(kEmptyBarrier + k % S::kStages, kThreads);
@@ -261,16 +238,16 @@ __device__ __forceinline__ void consume(int consumer, const LaneRows& rows, cons
     wgmma::pin(st.acc);
     take_turn();
     wgmma::fence();
-    issue_values(end - 1, p);
+    issue_values(num_tiles - 1, p);
     pass_turn(true);
     wgmma::wait<0>();
     wgmma::pin(st.acc);
     wgmma::pin(p);
-    release(end - 1);
+    release(num_tiles - 1);
   };
 
-  if (kPingPong && num_tiles > 0 && consumer == 1) wgmma::barrier_arrive(kTurnBarrier, kPairThreads);
-  if (kPingPong && !(range.lo < range.hi)) {
+  if (num_tiles > 0 && consumer == 1) wgmma::barrier_arrive(kTurnBarrier, kPairThreads);
+  if (!(range.lo < range.hi)) {
     // Only padding rows: the same turns and releases, without MMAs.
     for (int k = 0; k < num_tiles; ++k) {
       acquire(k);
@@ -281,36 +258,34 @@ __device__ __forceinline__ void consume(int consumer, const LaneRows& rows, cons
     if (num_tiles > 0) take_turn(), pass_turn(true);
     return;
   }
-  for (int k = 0; k < begin; ++k) acquire(k), release(k);
-  if (begin < end) {
+  if (num_tiles > 0) {
     Fragments p0, p1;
-    acquire(begin);
+    acquire(0);
     take_turn();
     wgmma::fence();
-    issue_scores(begin, s);
+    issue_scores(0, s);
     pass_turn(false);
     wgmma::wait<0>();
     wgmma::pin(s);
-    softmax(begin, s, p0, rescale);
+    softmax(0, s, p0, rescale);
     rescale_output(st, rescale);
-    for (int k = begin + 1; k < end; k += 2) {
+    for (int k = 1; k < num_tiles; k += 2) {
       iteration(k, p0, p1);
-      if (k + 1 < end) iteration(k + 1, p1, p0);
+      if (k + 1 < num_tiles) iteration(k + 1, p1, p0);
     }
-    if ((end - 1 - begin) % 2 == 0) {
+    if ((num_tiles - 1) % 2 == 0) {
       finish(p0);
     } else {
       finish(p1);
     }
   }
-  for (int k = end; k < num_tiles; ++k) acquire(k), release(k);
 }
 
-// A consumer warpgroup's work after planning: its rows' range from its warps' (warp_ranges), its
+// A consumer warpgroup's work once cta_work has run: its rows' range from its warps' (warp_ranges), its
 // query fragments, the tiles, and the epilogue.
 template <DType C, int D>
 __device__ __forceinline__ void consume_and_write(const PagedAttentionParams& p, const SplitWorkspace& ws,
-                                                  const PrefillWork& w, const LaneRows& rows, int consumer,
+                                                  const CtaWork& w, const LaneQueryRows& rows, int consumer,
                                                   const int4* warp_ranges, int first_tile, int num_tiles,
                                                   uint32_t smem) {
   WarpgroupRange range{INT_MAX, INT_MIN, INT_MIN, INT_MAX};
@@ -327,11 +302,7 @@ __device__ __forceinline__ void consume_and_write(const PagedAttentionParams& p,
   WarpState<D> st;
   consume<C, D>(consumer, rows, range, q_frag, logit_multiplier<C>(p, w.kv_head), p.logits_soft_cap, first_tile, num_tiles,
                 smem, st);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    st.row_sum[h] += __shfl_xor_sync(0xffffffffu, st.row_sum[h], 1);
-    st.row_sum[h] += __shfl_xor_sync(0xffffffffu, st.row_sum[h], 2);
-  }
+  sum_row_shares(st);
   write_rows<C, D>(p, ws, blockIdx.y, w, rows, t, query_bf16, st);
 }
 
@@ -348,29 +319,30 @@ static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumers * kConsumerRe
 // Grid as the sm80 kernel's (query tiles of kRows, splits, KV heads x head chunks), one CTA per SM.
 template <DType C, int D>
 __global__ void __launch_bounds__(kThreads, 1)
-    prefill_hopper_kernel(const PagedAttentionParams p, SplitWorkspace ws, int split_tokens) {
+    sm90a_kernel(const PagedAttentionParams p, SplitWorkspace ws, int split_tokens) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kProducerWarps = kWarpgroupThreads / 32;
   const int warpgroup = threadIdx.x / kWarpgroupThreads, lane = threadIdx.x % 32;
-  // Consumer warp x owns rows 16x ..; the producer plans too (it needs the CTA's range) and ignores its rows.
+  // Consumer warp x owns rows 16x ..; the producer runs cta_work too (it needs the CTA's range) and
+  // ignores its rows.
   const int row_warp = max(0, static_cast<int>(threadIdx.x / 32) - kProducerWarps);
-  PrefillWork w;
-  LaneRows rows;
-  if (!plan_prefill_cta<kRows, kThreads, false>(p, blockIdx.y, split_tokens, row_warp, w, rows)) return;
+  CtaWork w;
+  LaneQueryRows rows;
+  if (!cta_work<kRows, kThreads, false>(p, blockIdx.y, split_tokens, row_warp, w, rows)) return;
   __shared__ int4 warp_ranges[kRows / kWarpRows];
   if (warpgroup > 0 && lane == 0) {
     warp_ranges[row_warp] = make_int4(w.warp_lo, w.warp_hi, w.interior_lo, w.interior_hi);
   }
   __syncthreads();
 
-  extern __shared__ __align__(16) uint8_t hopper_smem[];
-  const uint32_t smem_start = static_cast<uint32_t>(__cvta_generic_to_shared(hopper_smem));
+  extern __shared__ __align__(16) uint8_t sm90a_smem[];
+  const uint32_t smem_start = static_cast<uint32_t>(__cvta_generic_to_shared(sm90a_smem));
   const uint32_t padding = (wgmma::kSwizzleAtomBytes - smem_start % wgmma::kSwizzleAtomBytes) % wgmma::kSwizzleAtomBytes;
   const int first_tile = w.lo / kKeys * kKeys;
   const int num_tiles = w.hi > w.lo ? (w.hi - first_tile + kKeys - 1) / kKeys : 0;
   if (warpgroup == 0) {
     wgmma::release_registers<kProducerRegisters>();
-    produce<C, D>(p, w, first_tile, num_tiles, hopper_smem + padding);
+    produce<C, D>(p, w, first_tile, num_tiles, sm90a_smem + padding);
   } else {
     wgmma::claim_registers<kConsumerRegisters>();
     consume_and_write<C, D>(p, ws, w, rows, warpgroup - 1, warp_ranges + (warpgroup - 1) * (kWarpgroupThreads / 32),
@@ -381,37 +353,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-template <DType C, int D>
-cudaError_t launch_variant(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
-                           cudaStream_t stream) {
-  const RowMap map = RowMap::make(p.num_heads / p.num_kv_heads, kRows);
-  const dim3 grid(static_cast<unsigned>(plan.row_chunks), static_cast<unsigned>(plan.num_splits),
-                  static_cast<unsigned>(p.num_kv_heads * map.head_chunks));
-  prefill_hopper_kernel<C, D><<<grid, kThreads, Stages<C, D>::kSmemBytes, stream>>>(p, ws, plan.split_tokens);
-  return merge_splits(p, plan, ws, stream);
-}
-
-}  // namespace hopper
-
-// The multi-token kernels' entry points: the Hopper kernel where the plan chose it
-// (plan.warp_specialized), else the sm80 one.
 template <DType C>
 cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
                    cudaStream_t stream) {
-  if (!plan.warp_specialized) return launch_sm80<C>(p, plan, ws, stream);
-  return dispatch<hopper::kHeadSizes>(p.head_size, cudaErrorInvalidValue, [&](auto head) {
-    return hopper::launch_variant<C, decltype(head)::value>(p, plan, ws, stream);
+  return dispatch<kCudaSm90aHeadSizes>(p.head_size, cudaErrorInvalidValue, [&](auto head) {
+    constexpr int kHead = decltype(head)::value;
+    return launch_grid<kRows>(sm90a_kernel<C, kHead>, kThreads, Stages<C, kHead>::kSmemBytes, p, plan, ws, stream);
   });
 }
 
 template <DType C>
-int resident_ctas(int head_size, bool deep_staging, bool warp_specialized) {
-  if (!warp_specialized) return resident_ctas_sm80<C>(head_size, deep_staging);
-  return dispatch<hopper::kHeadSizes>(head_size, 0, [](auto head) {
-    constexpr int kSmemBytes = hopper::Stages<C, decltype(head)::value>::kSmemBytes;
-    return cuda::resident_ctas(reinterpret_cast<const void*>(hopper::prefill_hopper_kernel<C, decltype(head)::value>),
-                               hopper::kThreads, kSmemBytes, kSmemBytes);
+int occupancy(int head_size) {
+  return dispatch<kCudaSm90aHeadSizes>(head_size, 0, [](auto head) {
+    constexpr int kHead = decltype(head)::value;
+    constexpr int kSmemBytes = Stages<C, kHead>::kSmemBytes;
+    return kernel_occupancy(reinterpret_cast<const void*>(sm90a_kernel<C, kHead>), kThreads, kSmemBytes, kSmemBytes);
   });
 }
 
-}  // namespace fp8kv::cuda::prefill
+}  // namespace fp8kv::cuda::multi_token::sm90a

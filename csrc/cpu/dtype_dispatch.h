@@ -1,4 +1,5 @@
-// FP8 decoding for the CPU kernels: a 256-entry table per format, built from the shared codec.
+// The CPU kernels' dispatch over element dtypes: FP8 codes decode through a 256-entry table per format
+// (built from the shared codec), float16 / bfloat16 / float32 go through Element (float_conversions.h).
 #pragma once
 
 #include <array>

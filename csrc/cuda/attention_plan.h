@@ -1,0 +1,26 @@
+// The CUDA backend's AttentionPlan (the launcher contract of csrc/gpu/kernels.h): which kernel runs a
+// call and how its work is split, as heuristics.h decides. Plain C++: the bindings hold one.
+#pragma once
+
+#include <cstdint>
+
+namespace fp8kv::cuda {
+
+enum class AttentionKernel {
+  kDecode,           // one query row per sequence (decode.cuh)
+  kMultiTokenSm80,   // mma.sync, every GPU (multi_token_sm80.cuh)
+  kMultiTokenSm90a,  // warp-specialized with warpgroup MMAs, Hopper (multi_token_sm90a.cuh)
+};
+
+struct AttentionPlan {
+  int64_t workspace_bytes;  // the splits' partial results (0 with one split), then decode's work-queue counter
+  AttentionKernel kernel;
+  int num_splits;     // context splits (flash-decoding); 1 writes `out` directly
+  int split_tokens;   // context positions per split, a multiple of the kernel's tile group
+  bool deep_staging;  // the sm80 multi-token kernel's staging (tiles.h)
+  int64_t row_chunks;   // decode: sequences x query-head chunks (work items per split and KV head)
+  int64_t ctas;         // decode: persistent CTAs taking the work items
+  int64_t query_tiles;  // multi-token: grid.x, the query tiles of all sequences (a bound)
+};
+
+}  // namespace fp8kv::cuda

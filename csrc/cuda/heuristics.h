@@ -1,0 +1,180 @@
+// How the CUDA paged-attention kernels run a call: which kernel, which staging, how many context
+// splits. Every such choice is made here, on the host, from the call's sizes and the device's facts
+// (never device data, so a captured graph replays it unchanged); paged_attention.cu gathers the facts
+// (the device, the kernels' occupancy) and fills the plan from these answers. The kernels' geometry
+// is tiles.h's; the measurements behind the choices: docs/perf_notes.md, docs/cuda_decode_design.md,
+// docs/cuda_prefill_design.md.
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+
+#include "../gpu/kernels.h"
+#include "tiles.h"
+
+namespace fp8kv::cuda {
+
+// What the planner knows of the current device.
+struct DeviceFacts {
+  int multiprocessors;
+  int major, minor;  // compute capability
+};
+
+// ---- which kernel, which staging ------------------------------------------------------------
+
+// The multi-token kernel FP8KV_MULTI_TOKEN_KERNEL names: none (the planner's choice), one of the two,
+// or one this backend does not have.
+enum class MultiTokenRequest { kAuto, kSm80, kSm90a, kUnknown };
+
+inline MultiTokenRequest multi_token_request() {
+  const char* name = gpu::requested_multi_token_kernel();
+  if (name == nullptr) return MultiTokenRequest::kAuto;
+  if (std::strcmp(name, "sm80") == 0) return MultiTokenRequest::kSm80;
+  if (std::strcmp(name, "sm90a") == 0) return MultiTokenRequest::kSm90a;
+  return MultiTokenRequest::kUnknown;
+}
+
+// The sm_90a multi-token kernel runs head_size on the device: one of its head sizes, the compute
+// capability its code is for, and a build with that code.
+inline bool sm90a_kernel_runs(int head_size, const DeviceFacts& device) {
+#ifdef FP8KV_SM90A
+  return contains(kCudaSm90aHeadSizes, head_size) && device.major == kCudaSm90aCapability[0] &&
+         device.minor == kCudaSm90aCapability[1];
+#else
+  return false;
+#endif
+}
+
+// Short queries (verification, decode rows in a batch): the average sequence's query rows fit one warp.
+inline bool short_queries(const PagedAttentionParams& p) {
+  const int group = p.num_heads / p.num_kv_heads;
+  return p.num_query_tokens * group <= multi_token::kWarpRows * static_cast<int64_t>(p.num_seqs);
+}
+
+// The sm80 kernel's staging (tiles.h): deep for short queries, which leave it bound by memory (deep
+// staging keeps more bytes in flight), shallow otherwise (it keeps the tensor cores fed).
+inline bool deep_staging(const PagedAttentionParams& p) { return short_queries(p); }
+
+// The kernel for p. `request` has been checked (paged_attention_unsupported): a kernel it names runs
+// p. Short queries stay on the sm80 kernel where the sm90a one could run: they are bound by memory,
+// and the sm80 kernel shares their few rows among its warps.
+inline AttentionKernel attention_kernel(const PagedAttentionParams& p, MultiTokenRequest request,
+                                        const DeviceFacts& device) {
+  if (p.cu_seqlens_q == nullptr) return AttentionKernel::kDecode;
+  switch (request) {
+    case MultiTokenRequest::kSm80: return AttentionKernel::kMultiTokenSm80;
+    case MultiTokenRequest::kSm90a: return AttentionKernel::kMultiTokenSm90a;
+    default:
+      return !short_queries(p) && sm90a_kernel_runs(p.head_size, device) ? AttentionKernel::kMultiTokenSm90a
+                                                                          : AttentionKernel::kMultiTokenSm80;
+  }
+}
+
+// ---- how many splits ------------------------------------------------------------------------
+
+// Splitting a short context costs more in the merge than it gains: several tiles per warp per split.
+inline constexpr int64_t kMinSplitTokens = 512;
+
+struct Splits {
+  int count;   // num_splits
+  int tokens;  // split_tokens
+};
+
+// `count` splits of `capacity` positions, each a multiple of `align` (fewer where rounding up leaves
+// the last ones empty).
+inline Splits even_splits(int64_t capacity, int64_t count, int64_t align) {
+  int64_t tokens = (capacity + count - 1) / count;
+  tokens = (tokens + align - 1) / align * align;
+  return {static_cast<int>(std::max<int64_t>(1, (capacity + tokens - 1) / tokens)),
+          static_cast<int>(std::min<int64_t>(tokens, INT32_MAX))};
+}
+
+// Splits = waves of equal CTAs: of the counts in [min_splits, max_splits] up to 4 waves' worth, the
+// one whose last wave is fullest, preferring fewer splits on ties. `slots`: resident CTAs on the device.
+inline int64_t fullest_last_wave(int64_t busy_ctas, int64_t slots, int64_t min_splits, int64_t max_splits) {
+  int64_t best = min_splits;
+  double best_efficiency = 0.0;
+  const int64_t first = std::min<int64_t>(max_splits, std::max<int64_t>(min_splits, slots / busy_ctas));
+  for (int64_t splits = first; splits <= std::min<int64_t>(max_splits, 4 * first); ++splits) {
+    const int64_t ctas = busy_ctas * splits;
+    const int64_t waves = (ctas + slots - 1) / slots;
+    const double efficiency = static_cast<double>(ctas) / static_cast<double>(waves * slots);
+    if (efficiency > best_efficiency + 0.02) best = splits, best_efficiency = efficiency;
+  }
+  return best;
+}
+
+inline int64_t table_capacity(const PagedAttentionParams& p) {
+  return static_cast<int64_t>(p.max_blocks_per_seq) * p.block_size;
+}
+
+// Decode: persistent CTAs take work items (a sequence's query-head chunk at one KV head over one
+// split) until none is left, requesting the next item's block table and first tiles before they merge
+// the current one, so the per-item ramp is paid once per CTA. Four per SM (at most what fits) were
+// faster than two, and than one CTA per item (perf_notes.md, section 6).
+inline constexpr int kDecodeCtasPerSm = 4;
+// Splits are sized for about this many work items per SM: each split adds a partial result to merge,
+// and finer items did not shorten the uneven finish (perf_notes.md, sections 4 and 6).
+inline constexpr int kDecodeItemsPerSm = 2;
+
+// Decode's row chunks: per sequence, its query heads of one KV head in chunks of the kernel's rows.
+inline int64_t decode_row_chunks(const PagedAttentionParams& p) {
+  const int group = p.num_heads / p.num_kv_heads;
+  return p.num_query_tokens * ((group + decode::kRows - 1) / decode::kRows);
+}
+
+// Decode's splits: the count nearest kDecodeItemsPerSm items per SM, within what the block-table
+// slices need and what kMinSplitTokens allows. None when the table needs more splits than the merge
+// takes (refused by paged_attention_unsupported).
+inline std::optional<Splits> decode_splits(const PagedAttentionParams& p, const DeviceFacts& device) {
+  const int64_t target_items = static_cast<int64_t>(device.multiprocessors) * kDecodeItemsPerSm;
+  const int64_t row_items = std::max<int64_t>(1, decode_row_chunks(p) * p.num_kv_heads);  // items per split
+  // Context known without a sync: the block table's capacity.
+  const int64_t capacity = table_capacity(p);
+  const int64_t max_split_tokens = decode::max_split_tokens(p.block_size);
+  const int64_t min_splits = (capacity + max_split_tokens - 1) / max_split_tokens;
+  if (min_splits > merge::kMaxSplits) return std::nullopt;
+  const int64_t max_splits =
+      std::max<int64_t>(min_splits, std::min<int64_t>(merge::kMaxSplits, capacity / kMinSplitTokens));
+  const int64_t splits = (target_items + row_items / 2) / row_items;  // nearest
+  return even_splits(capacity, std::clamp(splits, min_splits, max_splits), decode::kTileGroup);
+}
+
+// Decode's persistent CTAs: kDecodeCtasPerSm per SM, at most the `resident` that fit.
+inline int64_t decode_ctas(int resident, const DeviceFacts& device) {
+  return resident <= 0 ? 0 : static_cast<int64_t>(device.multiprocessors) * std::min(resident, kDecodeCtasPerSm);
+}
+
+// Multi-token: one CTA per (query tile of one sequence, split, KV head and head chunk). The tile count
+// is bounded from host shapes (each sequence wastes at most one partial tile); CTAs past the real
+// count exit at once.
+struct MultiTokenGrid {
+  int64_t query_tiles;  // grid.x
+  int64_t busy_ctas;    // CTAs per split with work, at least
+};
+
+inline MultiTokenGrid multi_token_grid(const PagedAttentionParams& p, AttentionKernel kernel) {
+  const multi_token::RowMap map = multi_token::RowMap::make(
+      p.num_heads / p.num_kv_heads,
+      kernel == AttentionKernel::kMultiTokenSm90a ? multi_token::sm90a::kRows : multi_token::sm80::kRows);
+  const int64_t packed_tiles = (p.num_query_tokens + map.tokens_per_tile - 1) / map.tokens_per_tile;
+  return {packed_tiles + p.num_seqs, std::max<int64_t>(packed_tiles, p.num_seqs) * map.head_chunks * p.num_kv_heads};
+}
+
+// Multi-token splits: splitting pays when few query rows read a long cache (verification,
+// decode-heavy batches); it costs a partial-result round trip per row, so that stays below 1/16 of
+// the cache bytes read. `slots`: the kernel's resident CTAs on the device.
+inline Splits multi_token_splits(const PagedAttentionParams& p, const MultiTokenGrid& grid, int64_t slots) {
+  const int64_t capacity = table_capacity(p);
+  const int64_t partial_bytes = 2 * p.num_query_tokens * p.num_heads * (p.head_size + 2) * 4;
+  const int64_t cache_bytes =
+      2 * static_cast<int64_t>(p.num_seqs) * p.num_kv_heads * capacity * p.head_size * dtype_bytes(p.cache_dtype);
+  const int64_t max_splits = std::max<int64_t>(
+      1, std::min({static_cast<int64_t>(merge::kMaxSplits), capacity / kMinSplitTokens, cache_bytes / 16 / partial_bytes}));
+  return even_splits(capacity, fullest_last_wave(grid.busy_ctas, slots, 1, max_splits), multi_token::kSplitAlign);
+}
+
+}  // namespace fp8kv::cuda
