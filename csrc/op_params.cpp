@@ -198,7 +198,7 @@ CacheTransform cache_transform(const char* op, bool hadamard, const std::optiona
                                c10::ScalarType cache_type, int64_t num_kv_heads, int64_t head_size,
                                const at::Tensor& device_reference, const char* reference_name) {
   const bool offset = k_offset.has_value();
-  TORCH_CHECK(!(hadamard || offset) || is_fp8_cache_dtype(cache_type), op, ": `", hadamard ? "hadamard" : "k_offset",
+  TORCH_CHECK(!(hadamard || offset) || is_one_of(kFp8DTypes, cache_type), op, ": `", hadamard ? "hadamard" : "k_offset",
               "` needs an FP8 cache (an unquantized cache stores K/V as they are), got `key_cache` of ", cache_type);
   TORCH_CHECK(!hadamard || hadamard_block(static_cast<int>(head_size)) >= kMinHadamardBlock, op,
               ": `hadamard` needs a head_size divisible by ", kMinHadamardBlock,
