@@ -187,6 +187,98 @@ def test_concatenated_caches_hold_each_sequence():
     assert both.block_tables[2:, 1:].eq(0).all()  # padding past a sequence's last page
 
 
+def test_cached_slots_follow_the_block_tables():
+    parts = [small_cache(batch=2, seq_len=37, seed=1), small_cache(batch=3, seq_len=5, seed=2)]
+    for cache in (parts[0], cases.concatenate_caches(parts)):
+        want = [int(cache.block_tables[b, pos // cache.block_size]) * cache.block_size + pos % cache.block_size
+                for b in range(cache.block_tables.shape[0]) for pos in range(int(cache.seq_lens[b]))]
+        assert cases.cached_slots(cache).tolist() == want
+
+
+def centred_recipe_float64(key, value):
+    """The rotated + centred recipe from its definition, in float64 with the Hadamard matrix written out."""
+    from rotated_reference import hadamard_matrix  # imports fp8kv, which the tests without it do without
+
+    h = hadamard_matrix(key.shape[-1])
+    rotated_key, rotated_value = key.double() @ h, value.double() @ h
+    mu = rotated_key.mean(0)
+    return cases.CentredRecipe(((rotated_key - mu).abs().amax() / 448).view(1),
+                               (rotated_value.abs().amax() / 448).view(1), mu)
+
+
+def contract_codes(rows, scale, offset=None):
+    """uint8 codes the rotated recipe specifies for rows [n, H, D] (tests/rotated_reference.py)."""
+    from reference import FORMAT_BY_NAME
+    from rotated_reference import stored_rotated
+
+    return stored_rotated(rows, scale, FORMAT_BY_NAME["e4m3fn"], offset)
+
+
+@needs_fp8kv
+@pytest.mark.parametrize("chunk", [cases.FLOAT32_CHUNK, 16 * 3 * 48])  # one chunk; chunks of 16 tokens
+def test_centred_recipe_against_float64(monkeypatch, chunk):
+    monkeypatch.setattr(cases, "FLOAT32_CHUNK", chunk)
+    gen = torch.Generator(CPU).manual_seed(11)
+    shift = torch.randn(3, 48, generator=gen)  # a shared offset per head and channel, as real keys have
+    key = (torch.randn(100, 3, 48, generator=gen) + shift).to(torch.bfloat16)
+    value = torch.randn(100, 3, 48, generator=gen).to(torch.bfloat16)
+    assert_recipe_of(cases.centred_recipe(key, value), key, value)
+
+
+def assert_recipe_of(got, key, value):
+    """got (a CentredRecipe, or a cache or case that holds one) is the recipe of key/value: float32 [1]
+    scales and a contiguous float32 [H, D] offset, within float32 rounding of float64's."""
+    want = centred_recipe_float64(key, value)
+    assert got.k_offset.dtype == torch.float32 and got.k_offset.shape == key.shape[1:] and got.k_offset.is_contiguous()
+    torch.testing.assert_close(got.k_offset.double(), want.k_offset, rtol=0, atol=1e-5)
+    for scale, wanted in ((got.k_scale, want.k_scale), (got.v_scale, want.v_scale)):
+        assert scale.dtype == torch.float32 and scale.shape == (1,)
+        torch.testing.assert_close(scale.double(), wanted, rtol=1e-5, atol=0)
+
+
+def mixed_cache():
+    return cases.concatenate_caches([small_cache(batch=2, seq_len=37, seed=1), small_cache(batch=3, seq_len=5, seed=2)])
+
+
+@needs_fp8kv
+@pytest.mark.parametrize("plain_of", [small_cache, mixed_cache], ids=["one group", "mixed"])
+def test_rotated_copy_stores_the_plain_kv_with_the_recipe(plain_of):
+    plain = plain_of()
+    rotated = cases.rotated_copy(ops, plain)
+    assert rotated.hadamard and not plain.hadamard and plain.k_offset is None
+    assert torch.equal(rotated.block_tables, plain.block_tables) and torch.equal(rotated.seq_lens, plain.seq_lens)
+    for got, was in ((rotated.key_nhd, plain.key_nhd), (rotated.value_nhd, plain.value_nhd)):
+        assert torch.equal(got.view(torch.uint8) == cases.NAN_CODE, was.view(torch.uint8) == cases.NAN_CODE)
+    for nhd, hnd in ((rotated.key_nhd, rotated.key_hnd), (rotated.value_nhd, rotated.value_hnd)):
+        assert torch.equal(hnd.view(torch.uint8), nhd.view(torch.uint8)) and hnd.permute(0, 2, 1, 3).is_contiguous()
+    slots = cases.cached_slots(plain)
+    key, value = (cases.dequantized_rows(codes, slots, scale)
+                  for codes, scale in ((plain.key_nhd, plain.k_scale), (plain.value_nhd, plain.v_scale)))
+    assert_recipe_of(rotated, key, value)
+    for codes, rows, scale, offset in ((rotated.key_nhd, key, rotated.k_scale, rotated.k_offset),
+                                       (rotated.value_nhd, value, rotated.v_scale, None)):
+        stored = codes.view(torch.uint8).view(-1, *codes.shape[2:])[slots]
+        assert torch.equal(stored, contract_codes(rows, scale, offset))
+
+
+@needs_fp8kv
+def test_original_basis_maps_the_rotated_codes_back():
+    from rotated_reference import hadamard_matrix
+
+    plain = small_cache()
+    rotated = cases.rotated_copy(ops, plain)
+    key, value = cases.original_basis(rotated, rotated.block_tables, 37)
+    h = hadamard_matrix(16)
+    stored_key = gathered_by_loop(rotated.key_nhd, rotated.block_tables, 37, float(rotated.k_scale))
+    stored_value = gathered_by_loop(rotated.value_nhd, rotated.block_tables, 37, float(rotated.v_scale))
+    torch.testing.assert_close(key.double(), (stored_key.double() + rotated.k_offset.double()[:, None]) @ h,
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(value.double(), stored_value.double() @ h, rtol=1e-5, atol=1e-6)
+    # The same K/V as the plain cache, up to e4m3's rounding of the rotated values (<= 2^-4 relative).
+    for mapped, codes, scale in ((key, plain.key_nhd, cases.K_SCALE), (value, plain.value_nhd, cases.V_SCALE)):
+        assert common.relative_error(mapped, gathered_by_loop(codes, plain.block_tables, 37, scale)) < 2**-4
+
+
 def reference_float64(query, key, value, scale):
     """Per-sequence, per-head float64 attention with the end-aligned causal mask."""
     batch, hq, q_len, _ = query.shape
