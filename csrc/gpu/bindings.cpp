@@ -49,7 +49,9 @@ void paged_attention_gpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   const PagedAttentionParams p = paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                         cu_seqlens_q, softmax_scale, k_scale, v_scale, sliding_window,
                                                         logits_soft_cap, hadamard, k_offset);
+#if defined(FP8KV_WITH_HIP) || defined(__HIPCC__)
   TORCH_CHECK(!p.transform.any(), op, ": WIP: no rotated recipe on ", gpu::kBackend, " yet");
+#endif
   const std::string unsupported = gpu::paged_attention_unsupported(p);
   TORCH_CHECK(unsupported.empty(), op, ": on ", gpu::kBackend, ", ", unsupported);
   if (debug_checks_enabled()) {
