@@ -84,7 +84,7 @@ def test_missing_transformers_says_what_to_install(monkeypatch, capsys, tmp_path
     status, _, err = run(["demo"], capsys)
     assert status == 1
     assert err == ('fp8kv demo: error: needs the transformers package: install fp8kv with its [hf] extra: '
-                   'pip install "fp8kv[hf]"\n')
+                   'python3 -m pip install --no-build-isolation ".[hf]" in the source tree (README.md, Install)\n')
     model = write_checkpoint(tmp_path / "model")
     (tmp_path / "ids.txt").write_text("1 2 3\n")
     status, _, err = run(["calibrate", "--model", str(model), "--data", str(tmp_path / "ids.txt"), "--token-ids",

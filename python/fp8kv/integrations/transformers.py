@@ -1,7 +1,8 @@
 """Hugging Face transformers on fp8kv's paged FP8 KV cache.
 
     from fp8kv.integrations.transformers import PagedCache, cache_argument, enable
-    model = enable(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+    from fp8kv.loading import load_causal_lm
+    model = enable(load_causal_lm(path, torch.bfloat16))
     cache = PagedCache(load_kv_cache_config(path, "fp8_e4m3"), max_tokens=batch * 8192, compileable=True)
     out = model.generate(input_ids, attention_mask=mask, **cache_argument(model, cache), max_new_tokens=64)
 
@@ -138,8 +139,10 @@ class _PagedState:
         self.unattended = layer_idx
 
     def check_attended(self) -> None:
+        """Reported once: nothing was written, so the cache serves again once the model is enabled."""
         if self.unattended is not None:
-            raise RuntimeError(_NOT_ENABLED.format(layer=self.unattended))
+            layer, self.unattended = self.unattended, None
+            raise RuntimeError(_NOT_ENABLED.format(layer=layer))
 
     def accept(self, layer_idx: int, key: torch.Tensor) -> None:
         """Allocates the storage at the first update."""
@@ -319,8 +322,8 @@ class PagedCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """transformers calls this before every step (outside a compiled step, in generate) to build
         the masks: the moment to report an overflow of an earlier decode step, an earlier step's
-        keys that fp8kv's attention never took, and a step without tokens (generate on a cache that
-        holds as many positions as its new prompt has)."""
+        keys that fp8kv's attention never took, and a step without tokens (what generate leaves of a new
+        prompt shorter than the positions the cache holds)."""
         state = self._state
         if not torch.compiler.is_compiling():
             state.check_attended()
