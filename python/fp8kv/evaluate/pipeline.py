@@ -13,7 +13,7 @@ from ..checkpoint.problems import CheckpointError
 from ..checkpoint.reading import read_checkpoint_scales
 from ..formats import KVCacheConfig
 from ..loading import WeightsMismatchError, load_causal_lm
-from .caches import CACHES, UNQUANTIZED, kv_cache_configs
+from .caches import CACHES, UNQUANTIZED, cache_name, kv_cache_configs, parse_cache
 from .metrics import evaluate_model
 from .results import EvaluationResult
 
@@ -96,11 +96,10 @@ def check_options(caches=None, *, seq_len: int = 2048, windows: int = 16, scales
     if scales is not None and not (pathlib.Path(scales) / "config.json").is_file():
         raise ValueError(f"--scales: {scales} is not a checkpoint directory (no config.json)")
     if caches is not None:
-        caches = tuple(dict.fromkeys(name for name in caches if name != UNQUANTIZED))
-        unknown = [name for name in caches if name not in CACHES]
-        if unknown:
-            raise ValueError(f"--kv-cache-dtype: unknown cache(s) {', '.join(map(repr, unknown))}; valid: "
-                             f"{', '.join((UNQUANTIZED, *CACHES))}")
+        try:
+            caches = tuple(dict.fromkeys(cache_name(name) for name in caches if name != UNQUANTIZED))
+        except ValueError as e:
+            raise ValueError(f"--kv-cache-dtype: {e}") from None
     return caches, _device(device), dtype
 
 
@@ -118,9 +117,12 @@ def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: 
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     checkpoint_scales = _checkpoint_scales(model_dir, scales, config.num_hidden_layers, num_kv_heads)
     if caches is None:
-        caches = tuple(name for name in CACHES if name != "e4m3-checkpoint" or checkpoint_scales is not None)
-    if "e4m3-checkpoint" in caches and checkpoint_scales is None:
-        raise ValueError(f"--kv-cache-dtype e4m3-checkpoint: {model_dir} has no KV cache scales; pass --scales CKPT")
+        caches = tuple(cache_name(name) for name in CACHES
+                       if parse_cache(name)[1] != "checkpoint" or checkpoint_scales is not None)
+    for name in caches:
+        if parse_cache(name)[1] == "checkpoint" and checkpoint_scales is None:
+            raise ValueError(f"--kv-cache-dtype: {name} needs KV cache scales, and {model_dir} has none; pass "
+                             "--scales CKPT")
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and seq_len > max_positions:
         raise ValueError(f"--seq-len: {seq_len} is beyond the model's max_position_embeddings ({max_positions})")
@@ -136,10 +138,10 @@ def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: 
 def evaluate(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None,
              device=None, dtype: torch.dtype | str = torch.bfloat16, progress: bool = True,
              setup: dict | None = None) -> EvaluationResult:
-    """Scores the unquantized paged cache and each of `caches` (names from CACHES; default: all
-    that apply) on `windows` windows of `seq_len` tokens of `text`, with the model of `model_dir` in
-    `dtype` on `device` (default: CUDA when available). `scales`: a checkpoint directory whose
-    scales `e4m3-checkpoint` uses (default: the model's own, if it has any).
+    """Scores the unquantized paged cache and each of `caches` (FORMAT[-SOURCE] names, see caches;
+    default: those of CACHES that apply) on `windows` windows of `seq_len` tokens of `text`, with
+    the model of `model_dir` in `dtype` on `device` (default: CUDA when available). `scales`: a
+    checkpoint directory whose scales `-checkpoint` caches use (default: the model's own, if any).
 
     Raises ValueError (or CheckpointError) naming the command-line option for bad arguments,
     before the model's weights are loaded.
@@ -184,15 +186,13 @@ def environment(plan: _Plan) -> dict:
 
 def model_directory(model: str) -> pathlib.Path:
     """--model: a checkpoint directory, or SMOLLM2_NAME for the packaged model (converted on first use)."""
-    from ..models import SMOLLM2_NAME, MissingDependencyError, smollm2_checkpoint
+    from ..models import SMOLLM2_NAME, MissingDependencyError, checkpoint_directory
 
-    path = pathlib.Path(model)
-    if path.exists() or model != SMOLLM2_NAME:
-        if not (path / "config.json").is_file():
-            raise ValueError(f"--model: {path} is not a checkpoint directory (no config.json); pass one, or "
-                             f"'{SMOLLM2_NAME}'")
-        return path
     try:
-        return smollm2_checkpoint()
+        path = checkpoint_directory(model)
     except MissingDependencyError as e:
         raise ValueError(f"--model {SMOLLM2_NAME}: {e}") from None
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model: {path} is not a checkpoint directory (no config.json); pass one, or "
+                         f"'{SMOLLM2_NAME}'")
+    return path
