@@ -55,7 +55,7 @@ from transformers import CompileConfig, DynamicCache, LogitsProcessor, LogitsPro
 
 from fp8kv.cache import bytes_per_token  # noqa: E402
 from fp8kv.formats import KVCacheConfig, KVCacheDtype  # noqa: E402
-from fp8kv.integrations.transformers import PagedCache, enable, paged_attention_forward  # noqa: E402
+from fp8kv.integrations.transformers import PagedCache, cache_argument, enable, paged_attention_forward  # noqa: E402
 
 GIB = 1 << 30
 BLOCK_SIZE = 16
@@ -254,7 +254,7 @@ def decode(model, cache, column: Column, batch: int, context: int, steps: int, d
     ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=generator, device=device)
     processors = LogitsProcessorList([processor] if processor is not None else [])
     with torch.no_grad():
-        model.generate(ids, past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+        model.generate(ids, **cache_argument(model, cache), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                        pad_token_id=0, logits_processor=processors, **compile_arguments(column, device))
 
 

@@ -38,7 +38,12 @@ install_wheels() {  # into a private folder put first on PYTHONPATH; no network,
     || echo "installing $WHEELS/*.whl failed: FlashInfer's columns will say why"
 }
 
-build_fp8kv() {  # README.md, Install: the commands that install fp8kv, as written there
+build_fp8kv() {  # README.md, Install: the commands that install fp8kv, as written there (steps 1 and 3)
+  if python3 -c 'import sys; sys.exit(sys.prefix != sys.base_prefix)'; then  # python3 runs in no virtual environment
+    python3 -m venv --system-site-packages .venv \
+      && . .venv/bin/activate \
+      || return
+  fi
   python3 -m pip --version
   python3 -m pip install "scikit-build-core>=0.10" "cmake>=3.24" ninja \
     && python3 -m pip install --no-build-isolation ".[hf]" \

@@ -9,7 +9,18 @@ execute_process(
     "import os, torch; print(os.path.dirname(torch.__file__)); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(torch.version.cuda or ''); print(torch.version.hip or ''); print(next((os.path.realpath(l.split()[-1]) for l in open('/proc/self/maps') if 'libstdc++' in l), '')); print(20 if tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]) >= (2, 13) else 17)"
   OUTPUT_VARIABLE _torch_info OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _torch_status)
 if(NOT _torch_status EQUAL 0)
-  message(FATAL_ERROR "fp8kv: could not import torch with ${Python_EXECUTABLE}; install torch first")
+  # pip (by default), build and uv build in a fresh environment of their own, which cannot see the
+  # installed torch; their temporary directories are on its path.
+  execute_process(
+    COMMAND "${Python_EXECUTABLE}" -c
+      "import sys; print(any(m in p for p in sys.path for m in ('build-env-', 'builds-v')))"
+    OUTPUT_VARIABLE _isolated OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(_isolated STREQUAL "True")
+    message(FATAL_ERROR "fp8kv: this build runs in an isolated build environment, which cannot see the installed "
+      "torch: install fp8kv without build isolation, as README.md says: python3 -m pip install "
+      "\"scikit-build-core>=0.10\" \"cmake>=3.24\" ninja, then python3 -m pip install --no-build-isolation .")
+  endif()
+  message(FATAL_ERROR "fp8kv: could not import torch with ${Python_EXECUTABLE}; install torch first (README.md, Install)")
 endif()
 string(REPLACE "\n" ";" _torch_info "${_torch_info}")
 list(GET _torch_info 0 TORCH_DIR)

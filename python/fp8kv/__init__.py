@@ -1,4 +1,29 @@
-"""fp8kv: FP8 KV cache for transformer inference."""
+"""fp8kv: FP8 KV cache for transformer inference.
+
+K and V are stored in FP8 (e4m3fn, e5m2, e4m3fnuz) with per-layer dequantization scales, and
+attention reads them directly: twice the tokens in the same memory, half the bytes read per decode.
+
+    import fp8kv
+    config = fp8kv.load_kv_cache_config("path/to/checkpoint", "fp8_e4m3")   # format + scales
+    print(config.dtype, config.k_scales[0])
+
+What is where:
+- KVCacheDtype, KVCacheConfig (fp8kv.formats): the cache format, by any of its names
+  (KVCacheDtype.parse: fp8, fp8_e4m3, e4m3, float8_e4m3fn, e5m2, ...), with its scales.
+- load_kv_cache_config, read_checkpoint_scales (fp8kv.checkpoint): the scales a checkpoint holds
+  (vLLM, llm-compressor, ModelOpt, TGI and legacy JSON forms), per tensor-parallel rank.
+- PagedKVCache, PagedAttention (fp8kv.cache, fp8kv.attention): a paged cache and one layer's
+  attention over it, for your own inference loop.
+- fp8kv.ops: the operators (reshape_and_cache, paged_attention, kv_amax) on tensors you allocate.
+- fp8kv.integrations.transformers: `enable(model)` and `PagedCache` run `model.generate` of a
+  Hugging Face transformers model on the FP8 cache (needs the [hf] extra).
+- fp8kv.calibration, fp8kv.evaluate: scales calibrated on your data and written into a
+  checkpoint; what a cache costs a model in perplexity and KL.
+- The command line, `python -m fp8kv {demo,inspect,calibrate,evaluate} --help`.
+
+Documentation (in the source tree's docs/): guide.md (start here), ops.md, calibration.md,
+accuracy.md, generate.md.
+"""
 
 from . import ops
 from ._ops import has_cuda_kernels

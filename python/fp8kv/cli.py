@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .commands.errors import FAILURE, USAGE_ERROR, CommandError
+from .commands.errors import FAILURE, INSTALL_HF, USAGE_ERROR, CommandError
 
 # Optional packages a command may need, and how to get them.
-_OPTIONAL_PACKAGES = {"transformers": 'install fp8kv with its [hf] extra: pip install "fp8kv[hf]"'}
+_OPTIONAL_PACKAGES = {"transformers": f"install fp8kv with its [hf] extra: {INSTALL_HF}"}
 
 
 class _Exit(SystemExit):

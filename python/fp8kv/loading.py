@@ -7,6 +7,11 @@ measures nothing, so here every weight of the model comes from the checkpoint wi
 config gives, or loading fails with a `WeightsMismatchError` naming the directory and the tensors
 (or, for transformers' own refusals, carrying its report). Tensors the model does not use (such as
 KV cache scales) are fine.
+
+A checkpoint that declares only KV cache scales (a compressed-tensors kv_cache_scheme without quantized
+weights, as `fp8kv calibrate` and llm-compressor write it) loads as the plain model: fp8kv's cache
+applies the scales (fp8kv.load_kv_cache_config), and transformers 5.17 (not 5.24) would otherwise have
+compressed-tensors quantize K and V inside the model's own attention too.
 """
 
 from __future__ import annotations
@@ -28,12 +33,15 @@ class WeightsMismatchError(ValueError):
 def load_causal_lm(model_dir: str | os.PathLike, dtype: torch.dtype | str, *, progress: bool = True):
     """`AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)`, refusing missing weights and
     weights of the wrong shape. progress: transformers' loading bar."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    config = AutoConfig.from_pretrained(model_dir)
+    if _declares_only_kv_cache_scales(config):
+        del config.quantization_config
     with _transformers_quiet(progress) as report:
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, output_loading_info=True,
-                                                               ignore_mismatched_sizes=True)
+            model, info = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=dtype,
+                                                               output_loading_info=True, ignore_mismatched_sizes=True)
         except RuntimeError as e:
             raise WeightsMismatchError(f"{model_dir}: transformers cannot load its weights: {e}"
                                        + "".join(f"\n{line}" for line in report)) from None
@@ -41,6 +49,13 @@ def load_causal_lm(model_dir: str | os.PathLike, dtype: torch.dtype | str, *, pr
     if problems:
         raise WeightsMismatchError(f"{model_dir}: the weights do not fit its config.json: {'; '.join(problems)}")
     return model
+
+
+def _declares_only_kv_cache_scales(config) -> bool:
+    quantization = getattr(config, "quantization_config", None)
+    quantization = quantization if isinstance(quantization, dict) else getattr(quantization, "to_dict", dict)()
+    return (quantization.get("quant_method") == "compressed-tensors" and bool(quantization.get("kv_cache_scheme"))
+            and not quantization.get("config_groups"))
 
 
 def _problems(info: dict) -> list[str]:

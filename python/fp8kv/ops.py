@@ -2,7 +2,8 @@
 
 Every op writes into tensors the caller allocated, runs on the current stream, never synchronizes
 with the host and can be captured in a CUDA graph. The tensor layouts are those of
-docs/ops.md; bad input raises RuntimeError naming the argument.
+docs/ops.md; bad input raises RuntimeError naming the argument, and a tensor argument given as
+something else (a list, a float) TypeError saying what it must be.
 """
 
 import torch
@@ -16,6 +17,36 @@ __all__ = sorted(["reshape_and_cache", "paged_attention", "kv_amax", "check_cach
 def __dir__() -> list[str]:
     # The module's imports are not part of its interface.
     return __all__
+
+
+# What each tensor argument must be, for the TypeError of a call that passes something else: the
+# op's own schema error lists the whole signature instead of naming the argument.
+_TENSORS = {
+    "key": "a tensor [num_tokens, num_kv_heads, head_size]",
+    "value": "a tensor [num_tokens, num_kv_heads, head_size]",
+    "key_cache": "the key cache tensor [num_blocks, block_size, num_kv_heads, head_size]",
+    "value_cache": "the value cache tensor [num_blocks, block_size, num_kv_heads, head_size]",
+    "slot_mapping": "an int64 tensor [num_tokens] of slots",
+    "k_scale": "a float32 tensor [1] or [num_kv_heads], e.g. torch.tensor([0.02])",
+    "v_scale": "a float32 tensor [1] or [num_kv_heads], e.g. torch.tensor([0.02])",
+    "out": "a tensor [num_query_tokens, num_heads, head_size] to write",
+    "query": "a tensor [num_query_tokens, num_heads, head_size]",
+    "block_tables": "an int32 tensor [num_seqs, max_blocks_per_seq]",
+    "seq_lens": "an int32 tensor [num_seqs], e.g. torch.tensor(lengths, dtype=torch.int32)",
+    "cu_seqlens_q": "None or an int32 tensor [num_seqs + 1]",
+    "k_offset": "None or a float32 tensor [num_kv_heads, head_size]",
+    "k_amax": "a float32 tensor [1] or [num_kv_heads]",
+    "v_amax": "a float32 tensor [1] or [num_kv_heads]",
+}
+
+
+def _check_tensors(op: str, **arguments) -> None:
+    """Raises TypeError naming the first of `arguments` that is not a tensor (None only for cu_seqlens_q
+    and k_offset).
+    A type check per argument, no data read: cheap enough for every decode step."""
+    for name, value in arguments.items():
+        if not isinstance(value, torch.Tensor) and not (value is None and name in ("cu_seqlens_q", "k_offset")):
+            raise TypeError(f"fp8kv.ops.{op}: {name} must be {_TENSORS[name]}, got {type(value).__name__}")
 
 
 def reshape_and_cache(
@@ -43,6 +74,8 @@ def reshape_and_cache(
         rotated by the block Hadamard matrix, and K minus k_offset (float32 [num_kv_heads,
         head_size], in the rotated basis) is stored. The cache must be read with the same values.
     """
+    _check_tensors("reshape_and_cache", key=key, value=value, key_cache=key_cache, value_cache=value_cache,
+                   slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale, k_offset=k_offset)
     torch.ops.fp8kv.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, hadamard,
                                       k_offset)
 
@@ -78,6 +111,9 @@ def paged_attention(
     hadamard, k_offset: the recipe the cache was written with (see reshape_and_cache).
     A decode row whose sequence has seq_len 0 (batch padding) gets zeros.
     """
+    _check_tensors("paged_attention", out=out, query=query, key_cache=key_cache, value_cache=value_cache,
+                   block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, k_scale=k_scale,
+                   v_scale=v_scale, k_offset=k_offset)
     torch.ops.fp8kv.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
         k_scale, v_scale, sliding_window, logits_soft_cap, hadamard, k_offset,
@@ -90,6 +126,7 @@ def kv_amax(key: torch.Tensor, value: torch.Tensor, k_amax: torch.Tensor, v_amax
     The granularity follows the maxima's shape: float32 [1] per tensor or [num_kv_heads] per head.
     A NaN in the input makes the maximum NaN.
     """
+    _check_tensors("kv_amax", key=key, value=value, k_amax=k_amax, v_amax=v_amax)
     torch.ops.fp8kv.kv_amax(key, value, k_amax, v_amax)
 
 

@@ -1030,15 +1030,19 @@ def test_scripts_print_help(script):
 
 
 def test_run_all_builds_with_the_readme_install_commands():
+    # Steps 1 (the virtual environment, where python3 runs in none) and 3 (fp8kv); step 2 installs a
+    # torch, which a benchmark machine has.
     install = (BENCHMARKS.parent / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
     blocks = [block.split("```", 1)[0] for block in install.split("```bash")[1:]]
+    (venv_block,) = [block for block in blocks if " -m venv " in block]
     (fp8kv_block,) = [block for block in blocks if "--no-build-isolation" in block]
-    readme_commands = [line.split("#")[0].strip() for line in fp8kv_block.splitlines() if "pip install" in line]
+    readme_commands = [line.split("#")[0].strip() for line in (venv_block + fp8kv_block).splitlines() if line.strip()]
     script = (BENCHMARKS / "run_all.sh").read_text()
     build = script[script.index("build_fp8kv() {"):].split("\n}\n", 1)[0]
     script_commands = [line.strip().removeprefix("&& ").rstrip("\\").strip() for line in build.splitlines()
-                       if "pip install" in line]
-    assert readme_commands and script_commands == readme_commands
+                       if " -m venv " in line or "/activate" in line or "pip install" in line]
+    assert len(readme_commands) == 4 and script_commands == readme_commands
+    assert "sys.prefix != sys.base_prefix" in install and "sys.prefix != sys.base_prefix" in build
     result = subprocess.run(["bash", "-n", str(BENCHMARKS / "run_all.sh")], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

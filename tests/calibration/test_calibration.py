@@ -7,6 +7,7 @@ import contextlib
 import json
 import math
 import struct
+import sys
 import warnings
 
 import pytest
@@ -29,6 +30,8 @@ from fp8kv.calibration import (CalibrationError, KVAmax, KVCalibrator, calibrate
                                token_id_sequences)
 from fp8kv.checkpoint import CheckpointError, load_kv_cache_config  # noqa: E402
 from fp8kv.formats import KVCacheConfig, KVCacheDtype  # noqa: E402
+from fp8kv.integrations.transformers import enable  # noqa: E402
+from fp8kv.loading import load_causal_lm  # noqa: E402
 
 VOCAB, HEAD_SIZE = 64, 16
 E4M3 = (KVCacheDtype.E4M3FN, KVCacheDtype.E4M3FNUZ)
@@ -485,21 +488,54 @@ def test_legacy_json_round_trip(tmp_path):
         export_legacy_json(tmp_path / "heads.json", random_amax(2, 4).scales())
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "head"])
-def test_exported_checkpoint_loads_in_transformers_with_compressed_tensors(tmp_path, granularity):
-    """transformers (with compressed-tensors, as for an llm-compressor checkpoint) loads every
-    layer's scales into the attention modules; skipped where compressed-tensors is not installed."""
-    pytest.importorskip("compressed_tensors")
+def calibrated_checkpoint(tmp_path, granularity: str):
+    """(the model, the directory `python -m fp8kv calibrate` wrote its checkpoint with scales into)."""
     model = tiny_model(2)
     model.save_pretrained(tmp_path / "model")
-    config = calibrate(model, token_batches(BATCHES), granularity=granularity, progress=False).scales()
-    export_checkpoint(tmp_path / "model", tmp_path / "out", config)
+    (tmp_path / "ids.txt").write_text("1 5 9 13 17 21\n1 2 3\n")
+    assert cli.main(["calibrate", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "ids.txt"), "--token-ids",
+                     "--out", str(tmp_path / "out"), "--granularity", granularity, "--no-progress", "--device",
+                     "cpu"]) == 0
+    return model, tmp_path / "out"
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_calibrated_checkpoint_loads_with_fp8kvs_loader(tmp_path, granularity, monkeypatch):
+    """The guide's recipe: fp8kv's loader gives the model as it was, without compressed-tensors (which
+    transformers needs for the config's kv_cache_scheme), ready for enable()."""
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)  # as where it is not installed
+    model, out = calibrated_checkpoint(tmp_path, granularity)
+    loaded = enable(load_causal_lm(out, torch.float32, progress=False))
+    loaded.set_attn_implementation("sdpa")
+    ids = token_batches([(2, 12)])[0]
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head"])
+def test_calibrated_checkpoint_loads_with_from_pretrained(tmp_path, granularity):
+    """transformers' own from_pretrained, with compressed-tensors installed (the form vLLM reads the
+    scales in is a compressed-tensors kv_cache_scheme): the weights as they were. transformers 5.17 (not
+    5.24) also puts the scales into the attention modules, where compressed-tensors quantizes K and V
+    with them: enable() refuses such a model (its cache would quantize them twice)."""
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (scripts/run.sh installs it)")
+    import transformers
+
+    model, out = calibrated_checkpoint(tmp_path, granularity)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loaded = LlamaForCausalLM.from_pretrained(tmp_path / "out")
-    for layer, module in enumerate(loaded.model.layers):
-        assert module.self_attn.k_scale.flatten().tolist() == list(config.k_scales[layer])
-        assert module.self_attn.v_scale.flatten().tolist() == list(config.v_scales[layer])
+        warnings.simplefilter("ignore")  # transformers' notes on the scale tensors it does not use itself
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    state = loaded.state_dict()
+    assert all(torch.equal(state[name], weight) for name, weight in model.state_dict().items())
+    attention = [layer.self_attn for layer in loaded.model.layers]
+    if hasattr(attention[0], "k_scale"):
+        scales = load(out, "e4m3")
+        assert [(a.k_scale.flatten().tolist(), a.v_scale.flatten().tolist()) for a in attention] == [
+            (list(k), list(v)) for k, v in zip(scales.k_scales, scales.v_scales)]
+        with pytest.raises(ValueError, match="model.layers.0.self_attn quantizes its own K and V"):
+            enable(loaded)
+    else:
+        enable(loaded)
 
 
 # ----------------------------------------------------------------------------- data

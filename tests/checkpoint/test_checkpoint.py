@@ -370,7 +370,7 @@ def _missing_json_given(tmp_path):
 
 
 MALFORMED = {
-    "missing directory": (_missing_dir, "is not a checkpoint directory"),
+    "missing directory": (_missing_dir, "does not exist"),
     "missing config.json": (_missing_config, "missing"),
     "config.json is not JSON": (_bad_config_json, "invalid JSON"),
     "no layer count": (_no_layer_count, "missing; pass num_layers="),
@@ -528,8 +528,29 @@ def test_inspect_without_scales_and_with_legacy_json(tmp_path, capsys):
     assert "calibrated for:  float8_e4m3fnuz" in out and "rank 0: 0.25 0.5" in out
 
 
-def test_inspect_missing_directory_fails(tmp_path, capsys):
+def test_inspect_reports_only_what_it_could_read(tmp_path, capsys):
     from fp8kv.cli import main
 
+    # Nothing could be read: the checkpoint and its problem, no model, declared or scales line.
     assert main(["inspect", str(tmp_path / "nowhere")]) == 1
-    assert "is not a checkpoint directory" in capsys.readouterr().out
+    assert capsys.readouterr().out.splitlines() == [
+        f"checkpoint:      {tmp_path / 'nowhere'}", "", "1 problem(s):", f"  - {tmp_path / 'nowhere'}: does not exist"]
+    (tmp_path / "file").write_text("")
+    assert main(["inspect", str(tmp_path / "file")]) == 1
+    assert f"{tmp_path / 'file'}: is not a checkpoint directory" in capsys.readouterr().out
+    (tmp_path / "no_config").mkdir()
+    assert main(["inspect", str(tmp_path / "no_config")]) == 1
+    out = capsys.readouterr().out
+    assert "config.json: missing" in out and "model:" not in out and "scales:" not in out
+
+
+@pytest.mark.parametrize("scales_json", ["absent.json", "broken.json"])
+def test_inspect_with_an_unreadable_scales_json_still_reports_the_checkpoints_scales(tmp_path, scales_json, capsys):
+    from fp8kv.cli import main
+
+    write_checkpoint(tmp_path / "ckpt", tensors=scale_tensors(K, V))
+    (tmp_path / "broken.json").write_text("{not json")
+    assert main(["inspect", str(tmp_path / "ckpt"), "--scales-json", str(tmp_path / scales_json)]) == 1
+    out = capsys.readouterr().out
+    assert "scales:          k_scale, v_scale\n" in out and "0  K     " in out and "1 problem(s):" in out
+    assert f"{tmp_path / scales_json}: " in out

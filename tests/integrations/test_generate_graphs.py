@@ -17,7 +17,7 @@ from transformers import CompileConfig  # noqa: E402
 
 from fp8kv.cache import CacheFullError, FixedBatch  # noqa: E402
 from fp8kv.formats import KVCacheConfig  # noqa: E402
-from fp8kv.integrations.transformers import PagedCache, enable, new_tokens_mask  # noqa: E402
+from fp8kv.integrations.transformers import PagedCache, cache_argument, enable, new_tokens_mask  # noqa: E402
 from test_transformers import PROMPT_LEN, prompt, tiny_model, ulp  # noqa: E402
 
 STEPS = 24
@@ -119,7 +119,7 @@ def run(model, ids, mask, cache, *, compiled: CompileConfig | None, sample_seed:
     if sample_seed is not None:
         torch.manual_seed(sample_seed)
     compile_args = dict(disable_compile=True) if compiled is None else dict(compile_config=compiled)
-    out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=steps,
+    out = model.generate(ids, attention_mask=mask, **cache_argument(model, cache), max_new_tokens=steps,
                          do_sample=sample_seed is not None, pad_token_id=0, output_logits=True,
                          return_dict_in_generate=True, **compile_args)
     return out.sequences, torch.stack(out.logits).float()
@@ -209,11 +209,11 @@ def test_prefill_past_capacity_and_tiny_caches_are_refused():
     model = enable(tiny_model("llama", torch.float16, "cpu"))
     ids, mask = prompt("cpu")
     with pytest.raises(CacheFullError, match="sequence 0 holds 0 tokens and gets 9 more, past its capacity of 8"):
-        model(ids, attention_mask=mask, past_key_values=PagedCache(KVCacheConfig.unit_scales("auto", 2),
-                                                                 max_tokens=16, block_size=8))
+        model(ids, attention_mask=mask, **cache_argument(model, PagedCache(KVCacheConfig.unit_scales("auto", 2),
+                                                                         max_tokens=16, block_size=8)))
     with pytest.raises(CacheFullError, match="cannot give each of 2 sequences a block"):
-        model(ids, attention_mask=mask, past_key_values=PagedCache(KVCacheConfig.unit_scales("auto", 2),
-                                                                 max_tokens=16, block_size=16))
+        model(ids, attention_mask=mask, **cache_argument(model, PagedCache(KVCacheConfig.unit_scales("auto", 2),
+                                                                         max_tokens=16, block_size=16)))
     with pytest.raises(ValueError, match="max_tokens and block_size must be positive, got 0 and 16"):
         PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=0)
 
@@ -273,13 +273,15 @@ def test_decode_host_work_does_not_grow_with_the_layers(fresh_dynamo):
 def test_storage_is_freed_with_the_cache_without_gc(device, compiled, fresh_dynamo):
     model = enable(tiny_model("llama", torch.float16, device))
     ids, mask = prompt(device)
-    model(ids, attention_mask=mask, past_key_values=PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=32))
+    model(ids, attention_mask=mask, **cache_argument(model, PagedCache(KVCacheConfig.unit_scales("auto", 2),
+                                                                     max_tokens=32)))
     gc.collect()  # the first forward's lasting allocations (e.g. cuBLAS workspaces) are behind us
     gc.disable()  # anything freed from here on is freed by reference counting alone
     try:
         baseline = torch.cuda.memory_allocated() if device == "cuda" else 0
         cache = PagedCache(KVCacheConfig.unit_scales("fp8_e4m3fn", 2), max_tokens=4096, compileable=compiled)
-        tokens = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False,
+        tokens = model.generate(ids, attention_mask=mask, **cache_argument(model, cache), max_new_tokens=4,
+                                do_sample=False,
                                 pad_token_id=0, **(dict(compile_config=compile_config()) if compiled else {}))
         storage = weakref.ref(cache.paged.storage)
         del cache, tokens

@@ -2,7 +2,9 @@
 from configs with random weights (no downloads), compared with the eager baseline and with a
 float64 attention over the fake-quantized K/V."""
 
+import inspect
 import math
+import warnings
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from transformers.masking_utils import eager_mask  # noqa: E402
 from fp8kv import load_kv_cache_config  # noqa: E402
 from fp8kv.cache import CacheFullError  # noqa: E402
 from fp8kv.formats import KVCacheConfig, KVCacheDtype  # noqa: E402
-from fp8kv.integrations.transformers import PagedCache, enable  # noqa: E402
+from fp8kv.integrations.transformers import PagedCache, cache_argument, enable  # noqa: E402
 from fp8kv.rotation import Rotation, hadamard  # noqa: E402
 from rotated_reference import rotate_float32  # noqa: E402
 
@@ -29,12 +31,12 @@ PROMPT_LEN, STEPS, VOCAB = 9, 32, 32
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-def tiny_model(kind: str, dtype: torch.dtype, device: str, seed: int = 0):
-    """A 2-layer GQA model (4 query heads, 2 KV heads, head_size 64 as the CUDA kernels need,
+def tiny_model(kind: str, dtype: torch.dtype, device: str, seed: int = 0, layers: int = 2):
+    """A GQA model of `layers` layers (4 query heads, 2 KV heads, head_size 64 as the CUDA kernels need,
     32-token vocabulary) with random weights. Qwen2
     gets a sliding-window second layer and Mistral a 16-token window, shorter than the 41 tokens
     generated, so windows are exercised."""
-    common = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    common = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     if kind == "llama":
         config = transformers.LlamaConfig(**common)
@@ -71,7 +73,7 @@ class ForceTokens(LogitsProcessor):
 
 def generate(model, ids, mask, *, cache=None, force=None):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=STEPS, do_sample=False, pad_token_id=0,
-                         output_logits=True, return_dict_in_generate=True, past_key_values=cache,
+                         output_logits=True, return_dict_in_generate=True, **cache_argument(model, cache),
                          logits_processor=LogitsProcessorList([ForceTokens(force)] if force is not None else []))
     return out.sequences, torch.stack(out.logits).float()
 
@@ -267,7 +269,7 @@ def test_fp8_cache_uses_half_the_memory():
     ids, mask = prompt("cpu")
     caches = {fmt: PagedCache(KVCacheConfig.unit_scales(fmt, 2), max_tokens=256) for fmt in ("auto", "fp8_e5m2")}
     for cache in caches.values():
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, **cache_argument(model, cache))
     # 256 tokens x 2 layers x K,V x 2 heads x 64 dims x (2 or 1) bytes
     assert caches["auto"].memory_bytes == 256 * 2 * 2 * 2 * 64 * 2
     assert caches["fp8_e5m2"].memory_bytes == caches["auto"].memory_bytes // 2
@@ -276,7 +278,7 @@ def test_fp8_cache_uses_half_the_memory():
 def test_attention_without_a_paged_cache_is_an_error():
     model = enable(tiny_model("llama", torch.bfloat16, "cpu"))
     ids, mask = prompt("cpu")
-    with pytest.raises(RuntimeError, match="past_key_values=PagedCache"):
+    with pytest.raises(RuntimeError, match="pass a PagedCache to generate/forward"):
         model(ids, attention_mask=mask, use_cache=False)
 
 
@@ -293,12 +295,87 @@ def test_a_new_batch_needs_a_new_cache():
     model = enable(tiny_model("llama", torch.bfloat16, "cpu"))
     ids, mask = prompt("cpu")
     cache = PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=256)
-    model(ids, attention_mask=mask, past_key_values=cache)
+    model(ids, attention_mask=mask, **cache_argument(model, cache))
     with pytest.raises(ValueError, match="holds 2 sequences, the input has 1 rows; reset"):
-        model(ids[:1], past_key_values=cache)
+        model(ids[:1], **cache_argument(model, cache))
     cache.reset()
-    model(ids[:1], past_key_values=cache)
+    model(ids[:1], **cache_argument(model, cache))
     assert cache.get_seq_length() == PROMPT_LEN
+
+
+def test_a_model_never_enabled_is_an_error():
+    # Its own attention would attend over the new tokens only, ignoring the paged cache: wrong tokens.
+    model = tiny_model("llama", torch.bfloat16, "cpu")
+    ids, mask = prompt("cpu")
+    cache = PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=256)
+    with pytest.raises(RuntimeError, match=r"ignored the paged cache \(layer 0's keys never reached fp8kv's "
+                       r"attention\): call enable\(model\) from fp8kv.integrations.transformers"):
+        generate(model, ids, mask, cache=cache)
+    # The cache took nothing: once the model is enabled, it serves.
+    assert torch.equal(generate(enable(model), ids, mask, cache=cache)[0],
+                       generate(model, ids, mask, cache=PagedCache(KVCacheConfig.unit_scales("auto", 2),
+                                                                   max_tokens=256))[0])
+
+
+def test_a_one_layer_model_never_enabled_is_an_error_at_its_second_step():
+    # One layer: no later layer's update to notice it; the next step's mask sizes do.
+    model = tiny_model("llama", torch.bfloat16, "cpu", layers=1)
+    ids, mask = prompt("cpu")
+    with pytest.raises(RuntimeError, match=r"call enable\(model\)"):
+        generate(model, ids, mask, cache=PagedCache(KVCacheConfig.unit_scales("auto", 1), max_tokens=256))
+
+
+def test_a_kv_cache_config_with_fewer_layers_than_the_model_is_an_error():
+    model = enable(tiny_model("llama", torch.bfloat16, "cpu"))
+    ids, mask = prompt("cpu")
+    with pytest.raises(ValueError, match=r"PagedCache: the model has more layers than its KVCacheConfig \(1\): give "
+                       "it this model's KVCacheConfig"):
+        generate(model, ids, mask, cache=PagedCache(KVCacheConfig.unit_scales("auto", 1), max_tokens=256))
+
+
+@pytest.mark.parametrize("second_prompt", [3, PROMPT_LEN, PROMPT_LEN + STEPS - 1])
+def test_a_cache_reused_without_reset_is_an_error(second_prompt):
+    # A second prompt shorter than, as long as, or one token short of what the cache holds (the first
+    # prompt and its answer but the last token) does not continue it: a new batch on a used cache.
+    model = enable(tiny_model("llama", torch.bfloat16, "cpu"))
+    ids, mask = prompt("cpu")
+    cache = PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=256)
+    first, _ = generate(model, ids, mask, cache=cache)
+    other = torch.randint(0, VOCAB, (2, second_prompt), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match=r"PagedCache: this step does not continue the sequences the cache holds "
+                       r"\(40 positions\): a PagedCache serves one batch; call cache.reset\(\)"):
+        model.generate(other, attention_mask=torch.ones_like(other), max_new_tokens=2, pad_token_id=0,
+                       **cache_argument(model, cache))
+    cache.reset()
+    assert torch.equal(generate(model, ids, mask, cache=cache)[0], first)
+
+
+def test_a_cache_continues_the_sequences_it_holds():
+    # transformers' continuation: the whole sequence so far, of which the cache holds all but the last
+    # token, gives the tokens one longer generation gives.
+    model = enable(tiny_model("llama", torch.bfloat16, "cpu"))
+    ids, mask = prompt("cpu")
+    whole = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                           **cache_argument(model, PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=256)))
+    cache = PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=256)
+    half = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                          **cache_argument(model, cache))
+    rest = model.generate(half, attention_mask=torch.cat([mask, torch.ones_like(half[:, PROMPT_LEN:])], 1),
+                          max_new_tokens=4, do_sample=False, pad_token_id=0, **cache_argument(model, cache))
+    assert torch.equal(rest, whole)
+
+
+def test_the_cache_goes_to_the_argument_the_installed_transformers_takes():
+    # transformers that renamed `past_key_values` to `cache` warns for the old name: fp8kv never uses
+    # it there (pyproject's filterwarnings makes that warning an error in every test).
+    model = enable(tiny_model("llama", torch.bfloat16, "cpu"))
+    (keyword,) = cache_argument(model, None)
+    assert keyword in inspect.signature(model.forward).parameters
+    assert keyword == ("cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values")
+    ids, mask = prompt("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(model, ids, mask, cache=PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=256))
 
 
 def test_cache_config_must_be_a_kv_cache_config():
@@ -329,4 +406,5 @@ def test_custom_4d_masks_are_refused():
     ids, _ = prompt("cpu")
     mask = torch.zeros(2, 1, PROMPT_LEN, PROMPT_LEN, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="padding masks only, got a 4-D mask"):
-        model(ids, attention_mask=mask, past_key_values=PagedCache(KVCacheConfig.unit_scales("auto", 2), max_tokens=64))
+        model(ids, attention_mask=mask, **cache_argument(model, PagedCache(KVCacheConfig.unit_scales("auto", 2),
+                                                                         max_tokens=64)))

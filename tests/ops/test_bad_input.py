@@ -8,6 +8,7 @@ only with FP8KV_DEBUG_CHECKS=1 (reading device data would synchronize), so the C
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -349,3 +350,27 @@ def test_index_check_ops_refuse_malformed_index_tensors():
         fp8kv.ops.check_paged_attention_indices(tables, lens[:1], None, 2, cache)
     with pytest.raises(RuntimeError, match=r"without `cu_seqlens_q` \(decode\) `num_query_tokens` must equal num_seqs"):
         fp8kv.ops.check_paged_attention_indices(tables, lens, None, 3, cache)
+
+
+# What a caller writing Python values naturally passes where the ops take tensors: the wrapper names the
+# argument and says what it must be (the op's schema error would list the whole signature instead).
+WRONG_TYPES = [
+    ("paged_attention", "seq_lens", [1, 5, 20], "seq_lens must be an int32 tensor [num_seqs]"),
+    ("paged_attention", "k_scale", 1.0, "k_scale must be a float32 tensor [1] or [num_kv_heads], e.g. "
+     "torch.tensor([0.02]), got float"),
+    ("paged_attention", "block_tables", [[0, 1], [2, 3], [4, 5]], "block_tables must be an int32 tensor"),
+    ("paged_attention", "cu_seqlens_q", [0, 1, 3, 6], "cu_seqlens_q must be None or an int32 tensor"),
+    ("reshape_and_cache", "slot_mapping", [3, -1, 40, 17, 95], "slot_mapping must be an int64 tensor"),
+    ("reshape_and_cache", "v_scale", 0.5, "v_scale must be a float32 tensor"),
+    ("kv_amax", "k_amax", 0.0, "k_amax must be a float32 tensor"),
+]
+
+
+@pytest.mark.parametrize("op, argument, value, match", WRONG_TYPES, ids=[f"{c[0]}-{c[1]}" for c in WRONG_TYPES])
+def test_a_python_value_for_a_tensor_argument_is_named(op, argument, value, match):
+    function, make_args = OPS[op]
+    args = make_args("cpu")
+    args[argument] = value
+    with pytest.raises(TypeError, match="^" + re.escape(f"fp8kv.ops.{op}: {match}")):
+        function(**args)
+

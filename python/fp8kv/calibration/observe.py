@@ -123,6 +123,8 @@ def observe_model(model, batches: Iterable[torch.Tensor], calibrator: KVCalibrat
     """
     from tqdm import tqdm
 
+    from ..integrations.transformers import cache_argument
+
     batches = list(batches)
     device = next(model.parameters()).device
     cache_class = _calibration_cache_class()
@@ -137,7 +139,7 @@ def observe_model(model, batches: Iterable[torch.Tensor], calibrator: KVCalibrat
                 if batch.dim() != 2:
                     raise ValueError(f"a batch must be [rows, length] token ids, got shape {list(batch.shape)}")
                 cache = cache_class(calibrator, model.config)
-                model(input_ids=batch.to(device), past_key_values=cache, use_cache=True, **extra)
+                model(input_ids=batch.to(device), **cache_argument(model, cache), use_cache=True, **extra)
                 bar.update(batch.numel())
     finally:
         bar.close()

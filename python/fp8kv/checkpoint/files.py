@@ -141,7 +141,8 @@ class Reader:
 def open_directory(reader: Reader) -> None:
     """Checks that the reader's directory is a directory and reads its commit journal, if any."""
     if not reader.directory.is_dir():
-        raise reader.fatal(reader.directory, None, "is not a checkpoint directory")
+        exists = os.path.lexists(reader.directory)
+        raise reader.fatal(reader.directory, None, "is not a checkpoint directory" if exists else "does not exist")
     try:
         reader.committed = commit.committed_files(reader.directory) or {}
     except commit.JournalError as e:

@@ -25,6 +25,8 @@ class CheckpointScales:
     per-rank per-layer scales (empty when there is none). head_size: config.json's (None when it
     does not say). rotated: the rotated recipe's scales and offsets (None without fp8kv_kv_cache.json).
     problems: everything found wrong.
+    read: what could be read, in order: "config" (config.json: the model and what it declares),
+    "scales" (the scale tensors); a reading stopped by a problem leaves the rest out.
     """
 
     directory: str
@@ -41,6 +43,7 @@ class CheckpointScales:
     head_size: int | None
     rotated: RotatedRecipe | None
     problems: tuple[Problem, ...]
+    read: tuple[str, ...]
 
     @property
     def has_scales(self) -> bool:
@@ -48,21 +51,23 @@ class CheckpointScales:
 
     def report(self) -> list[str]:
         """The lines of a readable report: the model, what is declared, the scales (per layer, K and
-        V, with the tensor holding each), and every problem, or that there is none."""
-        lines = [
-            f"checkpoint:      {self.directory}",
-            f"model:           {self.model_type or '?'}, {self.num_layers or '?'} layers, "
-            f"{self.num_kv_heads or '?'} KV heads",
-            f"declared:        {', '.join(self.declared) or 'nothing (no kv_cache_scheme / kv_cache_quant_algo)'}",
-            f"scales:          {', '.join(self.forms) or 'none'}",
-            f"calibrated for:  {self.calibrated_for.value}",
-        ]
+        V, with the tensor holding each), and every problem, or that there is none. What could not
+        be read (`read`) has no line."""
+        lines = [f"checkpoint:      {self.directory}"]
+        if "config" in self.read:
+            lines += [
+                f"model:           {self.model_type or '?'}, {self.num_layers} layers, {self.num_kv_heads} KV heads",
+                f"declared:        {', '.join(self.declared) or 'nothing (no kv_cache_scheme / kv_cache_quant_algo)'}",
+            ]
+        if "scales" in self.read:
+            lines += [f"scales:          {', '.join(self.forms) or 'none'}",
+                      f"calibrated for:  {self.calibrated_for.value}"]
         if self.k:
             lines += self._scale_table()
         elif self.legacy_json_scales:
             lines.append(f"legacy JSON:     {self.legacy_json} (per tensor, one scale for K and V)")
             lines += [f"  rank {rank}: {_values(layers)}" for rank, layers in enumerate(self.legacy_json_scales)]
-        elif not self.problems:
+        elif "scales" in self.read and not self.problems:
             lines.append("note:            no KV cache scales: an e4m3 cache would use 1.0 in every layer (calibrate "
                          "first); e5m2 and unquantized caches need none")
         if self.problems:
@@ -77,6 +82,7 @@ class CheckpointScales:
             for kind, scale in (("K", k), ("V", v)):
                 lines.append(f"{layer:>5}  {kind:4}  {_values(scale.values)}    ({scale.tensor})")
         return lines
+
 
     def _rotated_lines(self) -> list[str]:
         recipe = self.rotated
@@ -118,7 +124,7 @@ def read_checkpoint_scales(
     reader = Reader(pathlib.Path(checkpoint_dir))
     state = dict(model_type=None, num_layers=num_layers, num_kv_heads=num_kv_heads, calibrated_for=KVCacheDtype.E4M3FN,
                  declared=(), forms=(), k=(), v=(), legacy_json=None, legacy_json_scales=(), head_size=None,
-                 rotated=None)
+                 rotated=None, read=())
     try:
         _read_into(reader, state, scales_json)
     except Fatal:
@@ -139,11 +145,18 @@ def _read_into(reader: Reader, state: dict, scales_json) -> None:
     num_layers, num_kv_heads = model_geometry(reader, config, state["num_layers"], state["num_kv_heads"])
     state["num_layers"], state["num_kv_heads"] = num_layers, num_kv_heads
     declared, required, granularity, dtype_hints = quantization_hints(reader, config)
+    state.update(declared=tuple(declared), head_size=model_head_size(config), read=("config",))
 
     (k, v), forms = tensor_scales(reader, num_layers, num_kv_heads, granularity)
-    json_path = legacy_json_path(reader, scales_json)
+    state.update(forms=forms, k=k, v=v, read=("config", "scales"))
+    json_path, json_read = legacy_json_path(reader, scales_json), None
     if json_path is not None:
-        json_scales, json_dtype = read_legacy_json(reader, json_path, num_layers, state["model_type"])
+        try:
+            json_read = read_legacy_json(reader, json_path, num_layers, state["model_type"])
+        except Fatal:
+            pass  # the file's problem is recorded; the checkpoint's own scales are still reported
+    if json_read is not None:
+        json_scales, json_dtype = json_read
         if json_dtype is not None:
             dtype_hints.append((str(json_path), "kv_cache.dtype", json_dtype))
         if forms:
@@ -159,5 +172,5 @@ def _read_into(reader: Reader, state: dict, scales_json) -> None:
         reader.problem(dtype_hints[0][0], dtype_hints[0][1], f"conflicting calibration formats: {sources}")
     elif formats:
         state["calibrated_for"] = formats.pop()
-    state.update(declared=tuple(declared), forms=forms, k=k, v=v, head_size=model_head_size(config))
+    state.update(forms=forms)
     state["rotated"] = read_rotated_recipe(reader, num_layers, num_kv_heads, state["head_size"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import operator
 import os
 import pathlib
 
@@ -30,6 +31,32 @@ def margin(text: str) -> float:
     if not (math.isfinite(value) and value >= 1.0):
         raise argparse.ArgumentTypeError(f"expected a finite number >= 1, got {text!r}")
     return value
+
+
+# The formats a command takes, as predicates for fp8kv.formats.format_names (help texts list them).
+FP8, E4M3 = operator.attrgetter("is_fp8"), operator.attrgetter("is_e4m3")
+
+
+def fp8_format(text: str):
+    """Any name of an FP8 cache format, as its KVCacheDtype."""
+    return _cache_format(text, FP8, "an FP8 format")
+
+
+def e4m3_format(text: str):
+    """Any name of an e4m3 format (the formats scales are calibrated for), as its KVCacheDtype."""
+    return _cache_format(text, E4M3, "an e4m3 format")
+
+
+def _cache_format(text: str, accepted, kind: str):
+    from ..formats import KVCacheDtype, format_names
+
+    try:
+        fmt = KVCacheDtype.parse(text)
+    except ValueError:
+        fmt = None
+    if fmt is None or not accepted(fmt):
+        raise argparse.ArgumentTypeError(f"expected {kind}, one of {format_names(accepted)}; got {text!r}")
+    return fmt
 
 
 def device(text: str):

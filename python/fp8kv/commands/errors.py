@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 USAGE_ERROR, FAILURE = 2, 1
+INSTALL_HF = 'python3 -m pip install --no-build-isolation ".[hf]" in the source tree (README.md, Install)'
 
 
 class CommandError(Exception):

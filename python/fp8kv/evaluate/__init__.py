@@ -19,16 +19,18 @@ Metrics, over every predicted token of every window:
   (forward hooks), over all windows. A layer's inputs already carry the earlier layers' errors.
 
 Caches: `auto`, the unquantized paged cache in the model's dtype (always evaluated: it separates the
-integration's own rounding from the format's), and any of CACHES: e4m3 with scale 1; e4m3 with a
-checkpoint's scales; e4m3 calibrated on the evaluation windows per tensor or per KV head (through
-`fp8kv.calibration`); e5m2 with scale 1. `e4m3` is e4m3fn (e4m3fnuz on MI300, as in vLLM).
+integration's own rounding from the format's), and caches named FORMAT[-SOURCE] (caches): an FP8
+format by any of its names, with scale 1, a checkpoint's scales (`-checkpoint`), or scales
+calibrated on the evaluation windows per tensor or per KV head (`-tensor`, `-head`, through
+`fp8kv.calibration`). By default CACHES: e4m3 with each source, e5m2 with scale 1. `e4m3` is
+e4m3fn (e4m3fnuz on MI300, as in vLLM); results name each cache canonically (`float8_e4m3fn-head`).
 
 Modules: pipeline (checks, tokenization, loading, `evaluate`), caches (the caches by name),
 metrics (the scores and the loop measuring them), results, rescale, plot. The command line is
 `fp8kv.commands.evaluate`.
 """
 
-from .caches import CACHES, CALIBRATED, LABELS, UNQUANTIZED, kv_cache_configs, per_tensor
+from .caches import CACHES, SOURCES, UNQUANTIZED, cache_name, kv_cache_configs, label, per_tensor
 from .metrics import AttentionOutputs, LayerErrors, LogitScores, attention_modules, evaluate_model
 from .pipeline import (DTYPES, check_options, environment, evaluate, load_model, model_directory, prepare,
                        token_windows)
@@ -39,8 +41,9 @@ from .results import CacheResult, EvaluationResult
 __all__ = [
     "UNQUANTIZED",
     "CACHES",
-    "CALIBRATED",
-    "LABELS",
+    "SOURCES",
+    "cache_name",
+    "label",
     "DTYPES",
     "CacheResult",
     "EvaluationResult",

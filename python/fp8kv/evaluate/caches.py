@@ -1,45 +1,76 @@
 """The KV caches an evaluation can score, by name, and their configs for a model.
 
-A cache is a format, a recipe (docs/rotated_cache.md: plain, rotated, rotated + centred) and where
-its scales and K offsets come from: scale 1, a checkpoint, or calibration on the evaluation windows
-(the most favourable case for calibration: no value at evaluation exceeds what it measured).
+A cache is named FORMAT[-RECIPE][-SOURCE]: FORMAT any FP8 format name (fp8kv.formats.format_names:
+e4m3, fp8_e4m3, float8_e4m3fn, e5m2, ...); RECIPE how K/V are stored (RECIPES, docs/rotated_cache.md):
+none for plain, `rotated`, `centred` for rotated + centred; SOURCE where its scales (and a centred
+cache's K offsets) come from (SOURCES): none for scale 1 (a centred cache's offsets then calibrated
+on the evaluation windows), `checkpoint` for a checkpoint's (the plain recipe's k_scale / v_scale, the
+rotated recipe's fp8kv_kv_cache.json), `tensor` / `head` for calibrated on the evaluation windows.
+`cache_name` gives the one canonical spelling (`float8_e4m3fn-centred-tensor`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
 
 import torch
 
-from ..formats import KVCacheConfig, KVCacheDtype
+from ..formats import KVCacheConfig, KVCacheDtype, format_names
 from ..rotation import Rotation
 
-
-@dataclass(frozen=True)
-class CacheSpec:
-    label: str
-    format: str          # the KVCacheDtype name
-    rotation: Rotation
-    source: str          # 'unit', 'checkpoint', 'tensor' / 'head' (scales calibrated on the windows), or
-                         # 'offsets' (scale 1, K offsets calibrated on the windows)
-
-
 UNQUANTIZED = "auto"
-_E4M3, _E5M2, _PLAIN, _ROTATED = "fp8_e4m3", "fp8_e5m2", Rotation.NONE, Rotation.HADAMARD
-CACHES = {
-    "e4m3": CacheSpec("e4m3, plain, scale 1", _E4M3, _PLAIN, "unit"),
-    "e4m3-checkpoint": CacheSpec("e4m3, plain, checkpoint scales", _E4M3, _PLAIN, "checkpoint"),
-    "e4m3-tensor": CacheSpec("e4m3, plain, calibrated per tensor", _E4M3, _PLAIN, "tensor"),
-    "e4m3-head": CacheSpec("e4m3, plain, calibrated per head", _E4M3, _PLAIN, "head"),
-    "e4m3-rotated": CacheSpec("e4m3, rotated, scale 1", _E4M3, _ROTATED, "unit"),
-    "e4m3-centred": CacheSpec("e4m3, rotated + centred (offsets calibrated), scale 1", _E4M3, _ROTATED, "offsets"),
-    "e4m3-rotated-checkpoint": CacheSpec("e4m3, the checkpoint's rotated recipe", _E4M3, _ROTATED, "checkpoint"),
-    "e5m2": CacheSpec("e5m2, plain, scale 1", _E5M2, _PLAIN, "unit"),
-    "e5m2-rotated": CacheSpec("e5m2, rotated, scale 1", _E5M2, _ROTATED, "unit"),
-    "e5m2-centred": CacheSpec("e5m2, rotated + centred (offsets calibrated), scale 1", _E5M2, _ROTATED, "offsets"),
-}
-CALIBRATED = {name: spec.source for name, spec in CACHES.items() if spec.source in ("tensor", "head")}
-LABELS = {UNQUANTIZED: "unquantized (model dtype)", **{name: spec.label for name, spec in CACHES.items()}}
+RECIPES = {"": "plain", "rotated": "rotated", "centred": "rotated + centred"}
+SOURCES = {"": "scale 1", "checkpoint": "checkpoint scales", "tensor": "calibrated per tensor",
+           "head": "calibrated per head"}
+# Evaluated by default (the checkpoint's recipes only where it has them).
+CACHES = ("e4m3", "e4m3-checkpoint", "e4m3-tensor", "e4m3-head", "e4m3-rotated", "e4m3-centred",
+          "e4m3-rotated-checkpoint", "e4m3-centred-checkpoint", "e5m2", "e5m2-rotated", "e5m2-centred")
+
+
+def parse_cache(name: str) -> tuple[KVCacheDtype, str, str]:
+    """The format, recipe and scale source of the cache `name`; ValueError saying what a name is."""
+    text, *rest = name.split("-")
+    recipe = rest.pop(0) if rest and rest[0] and rest[0] in RECIPES else ""
+    source = rest.pop(0) if rest and rest[0] and rest[0] in SOURCES else ""
+    try:
+        fmt = KVCacheDtype.parse(text)
+    except ValueError:
+        fmt = None
+    if fmt is None or not fmt.is_fp8 or rest:
+        raise ValueError(f"unknown cache {name!r}: expected FORMAT[-RECIPE][-SOURCE], FORMAT one of "
+                         f"{format_names(lambda f: f.is_fp8)}; RECIPE one of {', '.join(filter(None, RECIPES))}; "
+                         f"SOURCE one of {', '.join(filter(None, SOURCES))}")
+    return fmt, recipe, source
+
+
+def cache_name(name: str) -> str:
+    """The canonical name of the cache `name` (`e4m3-tensor` -> `float8_e4m3fn-tensor` off MI300)."""
+    fmt, recipe, source = parse_cache(name)
+    return "-".join(part for part in (fmt.value, recipe, source) if part)
+
+
+def label(name: str) -> str:
+    """What a cache is, for tables: its format, recipe and where its scales come from; other names as they are."""
+    if name == UNQUANTIZED:
+        return "unquantized (model dtype)"
+    try:
+        fmt, recipe, source = parse_cache(name)
+    except ValueError:
+        return name
+    return f"{fmt.value}, {RECIPES[recipe]}, {SOURCES[source]}"
+
+
+def converted(kv_cache: KVCacheConfig, fmt: KVCacheDtype) -> KVCacheConfig:
+    """`kv_cache`'s scales for a `fmt` cache, converted as the checkpoint loader converts them
+    (KVCacheDtype.scale_factor_from: x2 for e4m3fnuz from e4m3fn scales, as they are for e5m2);
+    its recipe (rotation, K offsets in real units) unchanged."""
+    factor = fmt.scale_factor_from(kv_cache.dtype)
+
+    def scaled(layers):
+        return [[s * factor for s in heads] for heads in layers]
+
+    return dataclasses.replace(kv_cache, dtype=fmt, k_scales=scaled(kv_cache.k_scales),
+                               v_scales=scaled(kv_cache.v_scales))
 
 
 def per_tensor(amax):
@@ -51,8 +82,16 @@ def per_tensor(amax):
                   amax.num_tokens, amax.rotated)
 
 
-def kv_cache_configs(model, windows: torch.Tensor, names, *,
-                     checkpoint: dict[Rotation, KVCacheConfig] | None = None,
+def checkpoint_recipe(checkpoint: dict[Rotation, KVCacheConfig], recipe: str) -> KVCacheConfig | None:
+    """The checkpoint's config for `recipe` (by rotation, as the pipeline loaded them), or None: a
+    centred cache needs the rotated recipe's K offsets, a rotated one a rotated recipe without them."""
+    config = checkpoint.get(Rotation.NONE if recipe == "" else Rotation.HADAMARD)
+    if config is not None and recipe and (config.k_offsets is not None) != (recipe == "centred"):
+        return None
+    return config
+
+
+def kv_cache_configs(model, windows: torch.Tensor, names, *, checkpoint: dict[Rotation, KVCacheConfig] | None = None,
                      progress: bool = True) -> dict[str, KVCacheConfig]:
     """`auto` and each cache of `names`, for `model`: the checkpoint's configs by rotation, calibrated
     ones on `windows` (one pass, per head)."""
@@ -62,31 +101,34 @@ def kv_cache_configs(model, windows: torch.Tensor, names, *,
     configs = {UNQUANTIZED: KVCacheConfig.unit_scales(UNQUANTIZED, num_layers)}
     amax = None
     for name in names:
-        spec = CACHES.get(name)
-        if spec is None:
-            raise ValueError(f"--kv-cache-dtype: unknown cache {name!r}; valid: {', '.join(CACHES)}")
-        if spec.source == "checkpoint":
-            if checkpoint is None or spec.rotation not in checkpoint:
-                raise ValueError(f"--kv-cache-dtype {name} needs a checkpoint with those scales: --scales CKPT, or a "
-                                 "model with them")
-            configs[name] = checkpoint[spec.rotation]
+        fmt, recipe, source = parse_cache(name)
+        rotation = Rotation.HADAMARD if recipe else Rotation.NONE
+        if source == "checkpoint":
+            config = checkpoint_recipe(checkpoint or {}, recipe)
+            if config is None:
+                raise ValueError(f"--kv-cache-dtype {name} needs a checkpoint with that recipe's scales: --scales "
+                                 "CKPT, or a model with them")
+            configs[name] = converted(config, fmt)
             continue
-        if spec.source in ("tensor", "head", "offsets") and amax is None:
+        if (source or recipe == "centred") and amax is None:
             implementation = model.config._attn_implementation
             model.set_attn_implementation("sdpa")
             try:
                 amax = calibrate(model, [w[None] for w in windows], granularity="head", progress=progress)
             finally:
                 model.set_attn_implementation(implementation)
-        fmt = KVCacheDtype.parse(spec.format)
-        if spec.source == "unit":
-            configs[name] = KVCacheConfig.unit_scales(fmt, num_layers, rotation=spec.rotation)
-        elif spec.source == "offsets":
-            if amax.rotated is None:
+            if recipe and amax.rotated is None:
                 raise ValueError(f"--kv-cache-dtype {name}: the model's head size has no rotation")
-            configs[name] = KVCacheConfig(fmt, ((1.0,),) * num_layers, ((1.0,),) * num_layers,
-                                          "scale 1, K offsets calibrated on the windows", spec.rotation,
-                                          amax.rotated.k_offsets)
+        if source == "":
+            offsets = amax.rotated.k_offsets if recipe == "centred" else None
+            configs[name] = KVCacheConfig(fmt, ((1.0,),) * num_layers, ((1.0,),) * num_layers, "scale 1", rotation,
+                                          offsets)
+            continue
+        # e5m2 uses scales calibrated for e4m3fn as they are, as it does a checkpoint's.
+        calibrated_for = fmt if fmt.is_e4m3 else KVCacheDtype.E4M3FN
+        if recipe:
+            config = amax.rotated.kv_cache(calibrated_for, source, centred=recipe == "centred")
         else:
-            configs[name] = (amax if spec.source == "head" else per_tensor(amax)).scales(fmt)
+            config = (amax if source == "head" else per_tensor(amax)).scales(calibrated_for)
+        configs[name] = converted(config, fmt)
     return configs

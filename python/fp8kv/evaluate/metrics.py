@@ -9,7 +9,7 @@ import math
 import torch
 
 from ..formats import KVCacheConfig
-from .caches import LABELS
+from .caches import label
 from .results import CacheResult, EvaluationResult
 
 _LOGIT_ROWS = 256  # rows of logits turned into float64 distributions at a time (memory bound)
@@ -24,6 +24,7 @@ class LogitScores:
 
     def __init__(self):
         self.nll = self.reference_nll = self.kl = self.agree = 0.0
+        self.squared_difference = 0.0  # of each token's log-likelihood, the model's minus the cache's
         self.count = 0
 
     def add(self, logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> None:
@@ -31,8 +32,10 @@ class LogitScores:
             rows = slice(start, start + _LOGIT_ROWS)
             log_q, log_p = logits[rows].double().log_softmax(-1), reference[rows].double().log_softmax(-1)
             target = targets[rows, None]
-            self.nll = self.nll - log_q.gather(1, target).sum()
-            self.reference_nll = self.reference_nll - log_p.gather(1, target).sum()
+            q_target, p_target = log_q.gather(1, target), log_p.gather(1, target)
+            self.nll = self.nll - q_target.sum()
+            self.reference_nll = self.reference_nll - p_target.sum()
+            self.squared_difference = self.squared_difference + (p_target - q_target).square().sum()
             self.kl = self.kl + (log_p.exp() * (log_p - log_q)).sum()
             self.agree = self.agree + (logits[rows].argmax(-1) == reference[rows].argmax(-1)).sum()
         self.count += targets.numel()
@@ -44,6 +47,16 @@ class LogitScores:
     @property
     def reference_perplexity(self) -> float:
         return math.exp(float(self.reference_nll) / self.count)
+
+    @property
+    def perplexity_noise(self) -> float:
+        """The relative perplexity change this sample cannot tell from zero: two standard errors of the
+        mean per-token log-likelihood difference, as a factor exp(2 se) - 1. Tokens are taken as
+        independent, so the true noise is, if anything, larger."""
+        mean = (float(self.nll) - float(self.reference_nll)) / self.count
+        n = self.count
+        variance = max(float(self.squared_difference) / n - mean * mean, 0.0) * n / max(n - 1, 1)
+        return math.expm1(2 * math.sqrt(variance / n))
 
     @property
     def mean_kl(self) -> float:
@@ -117,14 +130,14 @@ class AttentionOutputs:
 
 def evaluate_model(model, windows: torch.Tensor, kv_caches: dict[str, KVCacheConfig], *, setup: dict | None = None,
                    progress: bool = True) -> EvaluationResult:
-    """Scores each cache of `kv_caches` (name -> config, labelled by LABELS) against the
+    """Scores each cache of `kv_caches` (name -> config, labelled by caches.label) against the
     model's own SDPA attention, teacher-forced on `windows` ([count, seq_len] token ids).
 
     model: a transformers causal LM in float16 or bfloat16, on the device to evaluate on.
     """
     from tqdm import tqdm
 
-    from ..integrations.transformers import PagedCache, enable
+    from ..integrations.transformers import PagedCache, cache_argument, enable
 
     if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
         raise ValueError(f"windows must be [count >= 1, seq_len >= 2] token ids, got shape {list(windows.shape)}")
@@ -150,7 +163,7 @@ def evaluate_model(model, windows: torch.Tensor, kv_caches: dict[str, KVCacheCon
                 for name, kv_cache in kv_caches.items():
                     outputs.compare(layer_errors[name])
                     cache = PagedCache(kv_cache, max_tokens=ids.shape[1])
-                    logits = model(input_ids=ids, past_key_values=cache).logits[0, :-1]
+                    logits = model(input_ids=ids, **cache_argument(model, cache)).logits[0, :-1]
                     logit_scores[name].add(logits, reference, targets)
                     bar.update()
     finally:
@@ -158,8 +171,9 @@ def evaluate_model(model, windows: torch.Tensor, kv_caches: dict[str, KVCacheCon
         model.set_attn_implementation(implementation)
         model.train(was_training)
     first = next(iter(logit_scores.values()))
-    caches = tuple(CacheResult(name, LABELS.get(name, name), scores.perplexity, scores.mean_kl, scores.top1,
-                               layer_errors[name].relative()) for name, scores in logit_scores.items())
+    caches = tuple(CacheResult(name, label(name), scores.perplexity, scores.mean_kl, scores.top1,
+                               layer_errors[name].relative(), scores.perplexity_noise)
+                   for name, scores in logit_scores.items())
     setup = {"device": str(device), "dtype": str(model.dtype).removeprefix("torch."), **(setup or {})}
     return EvaluationResult(first.reference_perplexity, first.count, windows.shape[0], windows.shape[1], caches,
                             setup)

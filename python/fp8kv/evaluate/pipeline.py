@@ -11,10 +11,11 @@ import torch
 from ..checkpoint.per_rank import load_kv_cache_config
 from ..checkpoint.problems import CheckpointError
 from ..checkpoint.reading import read_checkpoint_scales
+from ..checkpoint.rotated_recipe import RECIPE_FILE
 from ..formats import KVCacheConfig
-from ..rotation import Rotation
 from ..loading import WeightsMismatchError, load_causal_lm
-from .caches import CACHES, UNQUANTIZED, kv_cache_configs
+from ..rotation import Rotation
+from .caches import CACHES, UNQUANTIZED, cache_name, checkpoint_recipe, kv_cache_configs, parse_cache
 from .metrics import evaluate_model
 from .results import EvaluationResult
 
@@ -91,6 +92,12 @@ def _checkpoint_configs(model_dir: pathlib.Path, scales, num_layers: int,
     return configs
 
 
+def _available(name: str, checkpoint: dict[Rotation, KVCacheConfig]) -> bool:
+    """Whether the cache `name` can be built: a checkpoint cache needs the checkpoint's recipe."""
+    _, recipe, source = parse_cache(name)
+    return source != "checkpoint" or checkpoint_recipe(checkpoint, recipe) is not None
+
+
 def check_options(caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None, device=None,
                   dtype: torch.dtype | str = torch.bfloat16):
     """The checks that need no model: (cache names or None, torch.device, torch.dtype)."""
@@ -102,11 +109,10 @@ def check_options(caches=None, *, seq_len: int = 2048, windows: int = 16, scales
     if scales is not None and not (pathlib.Path(scales) / "config.json").is_file():
         raise ValueError(f"--scales: {scales} is not a checkpoint directory (no config.json)")
     if caches is not None:
-        caches = tuple(dict.fromkeys(name for name in caches if name != UNQUANTIZED))
-        unknown = [name for name in caches if name not in CACHES]
-        if unknown:
-            raise ValueError(f"--kv-cache-dtype: unknown cache(s) {', '.join(map(repr, unknown))}; valid: "
-                             f"{', '.join((UNQUANTIZED, *CACHES))}")
+        try:
+            caches = tuple(dict.fromkeys(cache_name(name) for name in caches if name != UNQUANTIZED))
+        except ValueError as e:
+            raise ValueError(f"--kv-cache-dtype: {e}") from None
     return caches, _device(device), dtype
 
 
@@ -123,15 +129,13 @@ def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: 
     config = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     checkpoint = _checkpoint_configs(model_dir, scales, config.num_hidden_layers, num_kv_heads)
-    available = tuple(name for name, spec in CACHES.items()
-                      if spec.source != "checkpoint" or spec.rotation in checkpoint)
     if caches is None:
-        caches = available
+        caches = tuple(cache_name(name) for name in CACHES if _available(name, checkpoint))
     for name in caches:
-        if name not in available:
-            raise ValueError(f"--kv-cache-dtype {name}: {scales or model_dir} has no such KV cache scales (the plain "
-                             f"recipe's k_scale / v_scale, the rotated recipe's fp8kv_kv_cache.json); pass --scales "
-                             "CKPT")
+        if not _available(name, checkpoint):
+            raise ValueError(f"--kv-cache-dtype: {name} needs that recipe's KV cache scales (the plain recipe's "
+                             f"k_scale / v_scale, the rotated recipe's {RECIPE_FILE}, with K offsets for a centred "
+                             f"cache), and {scales or model_dir} has none; pass --scales CKPT")
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and seq_len > max_positions:
         raise ValueError(f"--seq-len: {seq_len} is beyond the model's max_position_embeddings ({max_positions})")
@@ -147,10 +151,10 @@ def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: 
 def evaluate(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None,
              device=None, dtype: torch.dtype | str = torch.bfloat16, progress: bool = True,
              setup: dict | None = None) -> EvaluationResult:
-    """Scores the unquantized paged cache and each of `caches` (names from CACHES; default: all
-    that apply) on `windows` windows of `seq_len` tokens of `text`, with the model of `model_dir` in
-    `dtype` on `device` (default: CUDA when available). `scales`: a checkpoint directory whose
-    scales the checkpoint caches use (default: the model's own, if it has any).
+    """Scores the unquantized paged cache and each of `caches` (FORMAT[-RECIPE][-SOURCE] names, see
+    caches; default: those of CACHES that apply) on `windows` windows of `seq_len` tokens of `text`,
+    with the model of `model_dir` in `dtype` on `device` (default: CUDA when available). `scales`: a
+    checkpoint directory whose scales `-checkpoint` caches use (default: the model's own, if any).
 
     Raises ValueError (or CheckpointError) naming the command-line option for bad arguments,
     before the model's weights are loaded.
@@ -194,15 +198,13 @@ def environment(plan: _Plan) -> dict:
 
 def model_directory(model: str) -> pathlib.Path:
     """--model: a checkpoint directory, or SMOLLM2_NAME for the packaged model (converted on first use)."""
-    from ..models import SMOLLM2_NAME, MissingDependencyError, smollm2_checkpoint
+    from ..models import SMOLLM2_NAME, MissingDependencyError, checkpoint_directory
 
-    path = pathlib.Path(model)
-    if path.exists() or model != SMOLLM2_NAME:
-        if not (path / "config.json").is_file():
-            raise ValueError(f"--model: {path} is not a checkpoint directory (no config.json); pass one, or "
-                             f"'{SMOLLM2_NAME}'")
-        return path
     try:
-        return smollm2_checkpoint()
+        path = checkpoint_directory(model)
     except MissingDependencyError as e:
         raise ValueError(f"--model {SMOLLM2_NAME}: {e}") from None
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model: {path} is not a checkpoint directory (no config.json); pass one, or "
+                         f"'{SMOLLM2_NAME}'")
+    return path

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+
+# A sample is small when it cannot resolve a perplexity change of 1%: the size of the differences
+# between FP8 formats and scale choices on a trained model (docs/accuracy.md).
+RESOLVED_CHANGE = 0.01
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,6 +20,7 @@ class CacheResult:
     kl: float  # mean KL(model || cache) per predicted token, in nats
     top1: float  # fraction of predicted tokens whose most likely next token is the model's
     layer_errors: tuple[float, ...]  # relative Frobenius error of each layer's attention output
+    perplexity_noise: float  # the smallest relative perplexity change the sample resolves (LogitScores)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,4 +53,15 @@ class EvaluationResult:
             lines.append(f"| {c.label} | {c.perplexity:.4f} | {change:+.2%} | {c.kl:.2e} | {c.top1:.1%} | "
                          f"{sum(c.layer_errors) / len(c.layer_errors):.2e} / {c.layer_errors[worst]:.2e} "
                          f"(layer {worst}) |")
-        return "\n".join(lines)
+        return "\n".join(lines + self._small_sample_caveat())
+
+    def _small_sample_caveat(self) -> list[str]:
+        """A line saying which perplexity changes are noise, when the sample cannot resolve RESOLVED_CHANGE."""
+        noise = max(c.perplexity_noise for c in self.caches)
+        if noise <= RESOLVED_CHANGE:
+            return []
+        needed = math.ceil(self.tokens * (noise / RESOLVED_CHANGE) ** 2)
+        return [f"Small sample: {self.tokens} predicted tokens tell a perplexity change from zero only beyond "
+                f"about +-{noise:.1%} (two standard errors of the per-token log-likelihood difference), so smaller "
+                f"changes of either sign are noise here, not an effect of the cache. Resolving {RESOLVED_CHANGE:.0%} "
+                f"takes about {needed:,} predicted tokens."]

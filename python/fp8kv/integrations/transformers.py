@@ -1,9 +1,14 @@
 """Hugging Face transformers on fp8kv's paged FP8 KV cache.
 
-    from fp8kv.integrations.transformers import PagedCache, enable
-    model = enable(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+    from fp8kv.integrations.transformers import PagedCache, cache_argument, enable
+    from fp8kv.loading import load_causal_lm
+    model = enable(load_causal_lm(path, torch.bfloat16))
     cache = PagedCache(load_kv_cache_config(path, "fp8_e4m3"), max_tokens=batch * 8192, compileable=True)
-    out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(input_ids, attention_mask=mask, **cache_argument(model, cache), max_new_tokens=64)
+
+`cache_argument` passes the cache under the name the installed transformers takes (`cache`, or
+`past_key_values` before transformers renamed it), so the same code runs without a deprecation
+warning on every supported version.
 
 Two public extension points of transformers (5.x) carry it: an attention function registered
 with `AttentionInterface` (and a mask function with `AttentionMaskInterface`) under the name
@@ -24,6 +29,7 @@ the number of layers. Steps with several new tokens (prefill) are planned on the
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -36,6 +42,17 @@ from ..formats import KVCacheConfig
 
 ATTN_IMPLEMENTATION = "fp8kv"
 _TAG = "_fp8kv_paged_layer"
+_NOT_ENABLED = ("PagedCache: the model's attention ignored the paged cache (layer {layer}'s keys never reached fp8kv's "
+                "attention): call enable(model) from fp8kv.integrations.transformers before generate or forward")
+_REUSED = ("PagedCache: this step does not continue the sequences the cache holds ({held} positions): a PagedCache "
+           "serves one batch; call cache.reset() (or use a new PagedCache) before generating for a new one")
+
+
+def cache_argument(model, cache: Cache) -> dict:
+    """The keyword argument that hands `cache` to `model`'s forward and generate: `cache` where the
+    installed transformers takes it (it deprecates `past_key_values`), `past_key_values` before."""
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {keyword: cache}
 
 
 def register() -> str:
@@ -46,7 +63,17 @@ def register() -> str:
 
 
 def enable(model):
-    """Switches `model` to fp8kv attention (it then needs a PagedCache to generate). Returns it."""
+    """Switches `model` to fp8kv attention (it then needs a PagedCache to generate). Returns it.
+
+    Refuses a model whose attention quantizes K and V itself (attention modules holding a k_scale:
+    transformers 5.17, not 5.24, loads a checkpoint's kv_cache_scheme that way, with compressed-tensors):
+    the PagedCache quantizes them, and twice would change the results."""
+    quantizing = [name for name, module in model.named_modules()
+                  if type(module).__name__.endswith("Attention") and hasattr(module, "k_scale")]
+    if quantizing:
+        raise ValueError(f"{quantizing[0]} quantizes its own K and V (a k_scale loaded from the checkpoint's KV cache "
+                         "scheme), and the PagedCache quantizes them again: load the model with "
+                         "fp8kv.loading.load_causal_lm(path, dtype), which leaves the scales to the cache")
     model.set_attn_implementation(register())
     return model
 
@@ -68,8 +95,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     handle = getattr(key, _TAG, None)
     if handle is None:
         raise RuntimeError(
-            "fp8kv attention needs the key returned by a PagedCache update: pass past_key_values=PagedCache(...) "
-            "to generate/forward (and use a model whose attention does not transform the cached key)"
+            "fp8kv attention needs the key returned by a PagedCache update: pass a PagedCache to generate/forward "
+            "(**cache_argument(model, PagedCache(...))), and use a model whose attention does not transform the "
+            "cached key"
         )
     if dropout:
         raise ValueError("fp8kv attention is for inference: dropout must be 0")
@@ -78,7 +106,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError(f"fp8kv attention takes padding masks only, got a {attention_mask.dim()}-D mask")
     state, layer_idx = handle
-    return state.attend(layer_idx, query, key, value, attention_mask, scaling, sliding_window, softcap), None
+    return state.attend(layer_idx, query, key, value, attention_mask, scaling, sliding_window, softcap,
+                        kwargs.get("position_ids")), None
 
 
 class _PagedState:
@@ -94,11 +123,29 @@ class _PagedState:
         self.attention: list[PagedAttention | None] = [None] * kv_cache.num_layers
         self.host_step: tuple[BatchMetadata, torch.Tensor | None] | None = None
         self.batch_started = False
+        self.unattended: int | None = None  # the layer whose keys were tagged and not yet attended
+
+    def check_update(self, layer_idx: int) -> None:
+        """Before layer `layer_idx`'s update: the model's attention took the previous update's keys
+        (it is fp8kv's), and the layer has scales. Skipped inside a compiled step, which follows an
+        eager first step that checked the same model."""
+        if torch.compiler.is_compiling():
+            return
+        self.check_attended()
+        if layer_idx >= self.kv_cache.num_layers:
+            raise ValueError(f"PagedCache: the model has more layers than its KVCacheConfig "
+                             f"({self.kv_cache.num_layers}): give it this model's KVCacheConfig (e.g. "
+                             "load_kv_cache_config of its checkpoint)")
+        self.unattended = layer_idx
+
+    def check_attended(self) -> None:
+        """Reported once: nothing was written, so the cache serves again once the model is enabled."""
+        if self.unattended is not None:
+            layer, self.unattended = self.unattended, None
+            raise RuntimeError(_NOT_ENABLED.format(layer=layer))
 
     def accept(self, layer_idx: int, key: torch.Tensor) -> None:
         """Allocates the storage at the first update."""
-        if layer_idx >= self.kv_cache.num_layers:
-            raise ValueError(f"the model has more layers than the KVCacheConfig's {self.kv_cache.num_layers}")
         if self.paged is None:
             self.paged = PagedKVCache(self.kv_cache, num_kv_heads=key.shape[1], head_size=key.shape[-1],
                                       num_blocks=self.num_blocks, block_size=self.block_size,
@@ -106,11 +153,14 @@ class _PagedState:
             self.seen = torch.zeros((), dtype=torch.int64, device=key.device)
             _mark_static(self.paged.storage, self.seen)
 
-    def attend(self, layer_idx, query, key, value, new_tokens, scaling, sliding_window, softcap) -> torch.Tensor:
-        """Writes the layer's new K/V into the paged cache and attends; returns [batch, new, heads, head_size]."""
+    def attend(self, layer_idx, query, key, value, new_tokens, scaling, sliding_window, softcap,
+               positions) -> torch.Tensor:
+        """Writes the layer's new K/V into the paged cache and attends; returns [batch, new, heads, head_size].
+        positions: the new tokens' position ids ([batch or 1, new]), or None where the model gives none."""
+        self.unattended = None
         batch_size, num_heads, new, head_size = query.shape
         if layer_idx == 0:
-            self._plan(batch_size, new, new_tokens)
+            self._plan(batch_size, new, new_tokens, positions)
         batch, rows = (self.batch.decode_metadata, None) if new == 1 else self.host_step
         module = self._attention(layer_idx, num_heads, key.shape[1], head_size, scaling, sliding_window, softcap)
         q, k, v = (t.transpose(1, 2).reshape(batch_size * new, t.shape[1], head_size) for t in (query, key, value))
@@ -122,7 +172,7 @@ class _PagedState:
                 0, rows, out)
         return out.view(batch_size, new, num_heads, head_size)
 
-    def _plan(self, batch_size: int, new: int, new_tokens: torch.Tensor | None) -> None:
+    def _plan(self, batch_size: int, new: int, new_tokens: torch.Tensor | None, positions: torch.Tensor | None) -> None:
         """Reserves this step's slots: on the device for a decode step, on the host otherwise.
         Padded positions (mask False) are neither cached nor attended."""
         if not self.batch_started:
@@ -130,6 +180,8 @@ class _PagedState:
         elif self.batch.num_seqs != batch_size:
             raise ValueError(f"PagedCache holds {self.batch.num_seqs} sequences, the input has {batch_size} rows; "
                              "reset() it or use a new PagedCache for a new batch")
+        elif new > 1 and positions is not None and positions.dim() == 2:  # not multimodal [3, batch, new] ids
+            self._check_continues(positions)
         if new == 1:  # a padded row's new token gets no slot; its (ignored) output attends over its cache
             self.batch.append_one(None if new_tokens is None else new_tokens.reshape(batch_size))
         else:
@@ -142,6 +194,14 @@ class _PagedState:
                     rows = new_tokens.reshape(-1).nonzero().squeeze(1)
             self.host_step = self.batch.extend(counts), rows
         self.seen.add_(new)
+
+    def _check_continues(self, positions: torch.Tensor) -> None:
+        """A step of several tokens on a started batch (a continuation, a prefill chunk) starts each
+        sequence where it ends: its first position is the sequence's cached length. A new prompt
+        starts again at 0. Planned on the host, so reading both costs no extra synchronization."""
+        lengths = self.batch.seq_lens.long()
+        if not torch.equal(positions[:, 0].to(lengths.device).expand_as(lengths), lengths):
+            raise ValueError(_REUSED.format(held=int(self.seen)))
 
     def _start_batch(self, batch_size: int) -> None:
         """Gives each sequence of a new batch an equal share of the blocks; the batch's tensors are
@@ -255,12 +315,22 @@ class PagedCache(Cache):
         self._state = _PagedState(kv_cache, math.ceil(max_tokens / block_size), block_size, layout)
         super().__init__(layers=[_PagedLayer(self._state, i, compileable) for i in range(kv_cache.num_layers)])
 
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        self._state.check_update(layer_idx)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """transformers calls this before every step (outside a compiled step, in generate) to build
-        the masks: the moment to report an overflow of an earlier decode step."""
-        batch = self._state.batch
-        if batch is not None and not torch.compiler.is_compiling():
-            batch.raise_if_overflowed(wait=False)
+        the masks: the moment to report an overflow of an earlier decode step, an earlier step's
+        keys that fp8kv's attention never took, and a step without tokens (what generate leaves of a new
+        prompt shorter than the positions the cache holds)."""
+        state = self._state
+        if not torch.compiler.is_compiling():
+            state.check_attended()
+            if state.batch is not None:
+                state.batch.raise_if_overflowed(wait=False)
+            if query_length == 0 and state.batch_started:
+                raise ValueError(_REUSED.format(held=int(state.seen)))
         return super().get_mask_sizes(query_length, layer_idx)
 
     def reset(self) -> None:
