@@ -104,13 +104,15 @@ def test_a_head_size_without_rotation_gets_the_plain_recipe(tmp_path):
         load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="hadamard")
 
 
-def test_plain_scales_need_the_head_size_to_be_spread(tmp_path):
+def test_without_a_head_size_the_default_is_plain_and_the_rotation_an_error(tmp_path):
+    """The rotated recipe spreads plain scales by sqrt(block), which the head size decides."""
     config = {k: v for k, v in CONFIG.items() if k != "hidden_size"}
     write(tmp_path, None, config=config)
+    default = load_kv_cache_config(tmp_path, "fp8_e4m3fn")
+    assert default.recipe == "plain" and "plain recipe: config.json gives no head size" in default.source
     with pytest.raises(CheckpointError) as info:
-        load_kv_cache_config(tmp_path, "fp8_e4m3fn")
+        load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="hadamard")
     reported(info.value.problems, "missing (nor hidden_size / num_attention_heads)", tensor="head_dim")
-    assert load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none").k_scales == ((0.5,), (0.5,))
 
 
 def test_an_unquantized_cache_has_no_rotation(tmp_path):

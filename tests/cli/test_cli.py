@@ -5,6 +5,7 @@ report (CheckpointScales.report, tested here); the demo's scales are the calibra
 prompt."""
 
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -438,9 +439,12 @@ def test_evaluated_caches_are_named_canonically():
     from fp8kv.evaluate import cache_name, label
 
     assert cache_name("fp8_e4m3-tensor") == cache_name("E4M3FN-tensor") == "float8_e4m3fn-tensor"
-    assert label("e5m2") == "float8_e5m2, scale 1" and label("e4m3fnuz-head") == "float8_e4m3fnuz, calibrated per head"
-    for bad in ("auto-tensor", "e4m3-calibrated", "e4m3-", "-tensor"):
-        with pytest.raises(ValueError, match="expected FORMAT or FORMAT-SOURCE"):
+    assert cache_name("e4m3-centred-checkpoint") == "float8_e4m3fn-centred-checkpoint"
+    assert label("e5m2") == "float8_e5m2, plain, scale 1"
+    assert label("e4m3fnuz-rotated-head") == "float8_e4m3fnuz, rotated, calibrated per head"
+    for bad in ("auto-tensor", "e4m3-calibrated", "e4m3-", "-tensor", "e4m3-tensor-rotated", "e4m3-rotated-centred",
+                "e4m3-rotated-tensor-x"):
+        with pytest.raises(ValueError, match=re.escape("expected FORMAT[-RECIPE][-SOURCE]")):
             cache_name(bad)
 
 

@@ -225,14 +225,14 @@ def test_any_format_takes_any_scale_source():
     amax = calibrate(model, [w[None] for w in tokens], granularity="head", progress=False)
     checkpoint = amax.scales(KVCacheDtype.E4M3FN)
     configs = ev.kv_cache_configs(model, tokens, ["e4m3fnuz-head", "e5m2-tensor", "fp8_e4m3fnuz-checkpoint", "e5m2"],
-                                  checkpoint_scales=checkpoint, progress=False)
+                                  checkpoint={Rotation.NONE: checkpoint}, progress=False)
     assert configs["e4m3fnuz-head"] == amax.scales(KVCacheDtype.E4M3FNUZ)
     e5m2 = configs["e5m2-tensor"]
     assert e5m2.dtype is KVCacheDtype.E5M2 and e5m2.k_scales == ev.per_tensor(amax).scales().k_scales
     fnuz = configs["fp8_e4m3fnuz-checkpoint"]
     assert fnuz.dtype is KVCacheDtype.E4M3FNUZ
     assert fnuz.k_scales == tuple(tuple(2 * s for s in heads) for heads in checkpoint.k_scales)
-    assert configs["e5m2"] == KVCacheConfig.unit_scales(KVCacheDtype.E5M2, 2)
+    assert configs["e5m2"] == KVCacheConfig.unit_scales(KVCacheDtype.E5M2, 2, rotation="none")
 
 
 def test_per_tensor_maxima_equal_per_tensor_calibration():

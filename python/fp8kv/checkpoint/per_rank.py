@@ -57,8 +57,9 @@ def load_kv_cache_config(
     cache_dtype: the cache format (a KVCacheDtype or a name such as 'fp8_e4m3', see
         KVCacheDtype.parse). 'auto' (unquantized) reads only the layer count: it has no scales.
     rotation: the recipe's rotation (docs/rotated_cache.md); None takes the default: Rotation.HADAMARD
-        for FP8 formats where config.json's head size is divisible by 16, Rotation.NONE (the plain
-        recipe, what other engines store) otherwise, as the config's source says.
+        for FP8 formats where the checkpoint has the rotated recipe's file or config.json gives a head
+        size divisible by 16, Rotation.NONE (the plain recipe, what other engines store) otherwise, as
+        the config's source says.
     The plain recipe uses the checkpoint's scales (k_scale / v_scale and the other forms other engines
     read). The rotated recipe uses fp8kv_kv_cache.json (written by `python -m fp8kv calibrate`): its
     scales, and its K offsets when it has them. Without that file it uses the plain scales times
@@ -92,19 +93,22 @@ def load_kv_cache_config(
             f"num_kv_heads={found.num_kv_heads} ({found.directory}/{CONFIG_FILE}) cannot be split across "
             f"tp_size={tp_size} ranks: one must divide the other"
         )
-    unrotatable = found.head_size is not None and hadamard_block(found.head_size) < MIN_BLOCK
-    if rotation is Rotation.HADAMARD and unrotatable:
-        if requested is not None:
-            raise ValueError(f"rotation: {found.directory}/{CONFIG_FILE} gives head size {found.head_size}, which has "
-                             f"no rotation (it needs a head size divisible by {MIN_BLOCK}); use rotation='none'")
-        rotation = Rotation.NONE
     if rotation is Rotation.HADAMARD and found.rotated is not None:
         return _rotated_recipe_config(found, dtype, tp_rank, tp_size)
+    why_plain = None  # why the default recipe is the plain one here
+    if found.head_size is None:
+        why_plain = f"{CONFIG_FILE} gives no head size"
+    elif hadamard_block(found.head_size) < MIN_BLOCK:
+        why_plain = f"head size {found.head_size} has no rotation"
+        if requested is Rotation.HADAMARD:
+            raise ValueError(f"rotation: {found.directory}/{CONFIG_FILE} gives head size {found.head_size}, which has "
+                             f"no rotation (it needs a head size divisible by {MIN_BLOCK}); use rotation='none'")
+    if requested is None and why_plain is not None:
+        rotation = Rotation.NONE
     plain = _plain_recipe_config(found, dtype, tp_rank, tp_size)
     if rotation is Rotation.NONE:
-        if unrotatable:
-            return dataclasses.replace(plain, source=f"{plain.source}; plain recipe: head size {found.head_size} "
-                                                     "has no rotation")
+        if requested is None and why_plain is not None:
+            return dataclasses.replace(plain, source=f"{plain.source}; plain recipe: {why_plain}")
         return plain
     return _rotated_from_plain(found, plain)
 

@@ -120,9 +120,11 @@ def kv_cache_configs(model, windows: torch.Tensor, names, *, checkpoint: dict[Ro
             if recipe and amax.rotated is None:
                 raise ValueError(f"--kv-cache-dtype {name}: the model's head size has no rotation")
         if source == "":
-            offsets = amax.rotated.k_offsets if recipe == "centred" else None
-            configs[name] = KVCacheConfig(fmt, ((1.0,),) * num_layers, ((1.0,),) * num_layers, "scale 1", rotation,
-                                          offsets)
+            unit = KVCacheConfig.unit_scales(fmt, num_layers, rotation=rotation)
+            if recipe == "centred":
+                unit = dataclasses.replace(unit, source="unit scales, K offsets calibrated on the windows",
+                                           k_offsets=amax.rotated.k_offsets)
+            configs[name] = unit
             continue
         # e5m2 uses scales calibrated for e4m3fn as they are, as it does a checkpoint's.
         calibrated_for = fmt if fmt.is_e4m3 else KVCacheDtype.E4M3FN
