@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import warnings
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
+
+import common
 
 @dataclasses.dataclass(frozen=True)
 class Model:
@@ -46,7 +50,7 @@ CACHE_DTYPE = torch.float8_e4m3fn
 QUERY_DTYPE = torch.bfloat16
 K_SCALE, V_SCALE = 2.0**-6, 2.0**-5  # powers of two: code * scale is exact in bf16
 NAN_CODE = 0x7F  # e4m3fn NaN
-RANDOM_CHUNK = 1 << 26  # elements drawn per randn call, bounds the float32 temporary (256 MiB)
+FLOAT32_CHUNK = 1 << 26  # elements of a float32 temporary (256 MiB): per randn call, per chunk of centred_recipe
 REFERENCE_CHUNK_BYTES = 2 << 30  # float32 working set of one reference chunk
 
 
@@ -55,8 +59,8 @@ def random_codes(shape: tuple[int, ...], scale: float, gen: torch.Generator, dev
     codes = torch.empty(shape, dtype=CACHE_DTYPE, device=device)
     flat = codes.view(-1)
     fmax = torch.finfo(CACHE_DTYPE).max
-    for start in range(0, flat.numel(), RANDOM_CHUNK):
-        n = min(RANDOM_CHUNK, flat.numel() - start)
+    for start in range(0, flat.numel(), FLOAT32_CHUNK):
+        n = min(FLOAT32_CHUNK, flat.numel() - start)
         x = torch.randn(n, generator=gen, device=device, dtype=torch.float32)
         # Clamping before the cast keeps out-of-range values finite on every torch version.
         flat[start:start + n] = (x / scale).clamp_(-fmax, fmax).to(CACHE_DTYPE)
@@ -76,6 +80,8 @@ class PagedCache:
     seq_lens: torch.Tensor  # int32 [batch]
     k_scale: torch.Tensor  # float32 [1]
     v_scale: torch.Tensor
+    hadamard: bool = False  # the rotated recipe: K/V stored rotated by the block Hadamard matrix H
+    k_offset: torch.Tensor | None = None  # float32 [num_kv_heads, head_size]: mu, taken from the rotated K
 
     @property
     def block_size(self) -> int:
@@ -131,16 +137,114 @@ def concatenate_caches(caches: list[PagedCache]) -> PagedCache:
 
 
 def gather_dequantize(cache: torch.Tensor, block_tables: torch.Tensor, seq_len: int,
-                      scale: torch.Tensor) -> torch.Tensor:
-    """The naive path's first half: gather each sequence's pages and convert them to bf16.
+                      scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The naive path's first half: gather each sequence's pages and convert them to bf16 (or dtype).
 
-    Returns a [batch, num_kv_heads, seq_len, head_size] bf16 view (token-major memory)."""
+    Returns a [batch, num_kv_heads, seq_len, head_size] view (token-major memory)."""
     batch, blocks_per_seq = block_tables.shape
     _, block_size, num_kv_heads, head_size = cache.shape
     pages = cache.view(torch.uint8)[block_tables.reshape(-1).long()].view(cache.dtype)
-    values = pages.to(torch.bfloat16) * scale.to(torch.bfloat16)
+    values = pages.to(dtype) * scale.to(dtype)
     values = values.reshape(batch, blocks_per_seq * block_size, num_kv_heads, head_size)[:, :seq_len]
     return values.transpose(1, 2)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """x [..., head_size] times the recipe's block Hadamard matrix H, fp8kv's torch version (imported
+    here, not at the top: the baselines still run where fp8kv cannot be imported)."""
+    from fp8kv.rotation import hadamard as fp8kv_hadamard
+
+    return fp8kv_hadamard(x)
+
+
+@dataclasses.dataclass(frozen=True)
+class CentredRecipe:
+    """The rotated + centred recipe's parameters for some K/V."""
+
+    k_scale: torch.Tensor  # float32 [1]: amax(kH - mu) / max_finite
+    v_scale: torch.Tensor  # float32 [1]: amax(vH) / max_finite
+    k_offset: torch.Tensor  # float32 [num_kv_heads, head_size]: mu = mean(kH) per KV head and channel
+
+
+def centred_recipe(key: torch.Tensor, value: torch.Tensor) -> CentredRecipe:
+    """The recipe of K/V rows [tokens, num_kv_heads, head_size], in token chunks (bounded float32
+    temporaries) and one pass, as calibration measures it: K's maximum from the per-channel extremes
+    of kH, max_c max(max_c - mu_c, mu_c - min_c)."""
+    tokens = max(1, FLOAT32_CHUNK // (key.shape[1] * key.shape[2]))
+    sums, lows, highs, v_maxima = [], [], [], []
+    for key_rows, value_rows in zip(key.split(tokens), value.split(tokens)):
+        rotated_key = hadamard(key_rows.float())
+        sums.append(rotated_key.sum(0, dtype=torch.float64))
+        lows.append(rotated_key.amin(0))
+        highs.append(rotated_key.amax(0))
+        v_maxima.append(hadamard(value_rows.float()).abs().amax())
+    mu = (torch.stack(sums).sum(0) / key.shape[0]).float()
+    k_max = torch.maximum(torch.stack(highs).amax(0) - mu, mu - torch.stack(lows).amin(0)).amax()
+    max_finite = torch.finfo(CACHE_DTYPE).max
+    return CentredRecipe((k_max / max_finite).view(1), (torch.stack(v_maxima).amax() / max_finite).view(1), mu)
+
+
+def cached_slots(cache: PagedCache) -> torch.Tensor:
+    """int64 [tokens]: the slot (block * block_size + offset) of every cached token, sequence by sequence."""
+    block_size = cache.block_size
+    positions = torch.arange(cache.block_tables.shape[1] * block_size, device=cache.block_tables.device)
+    slots = cache.block_tables.long().repeat_interleave(block_size, dim=1) * block_size + positions % block_size
+    return slots[positions < cache.seq_lens[:, None]]
+
+
+def dequantized_rows(codes: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """bf16 [len(slots), num_kv_heads, head_size]: the values at slots of an NHD cache (exact: the
+    plain caches' scales are powers of two)."""
+    rows = codes.view(torch.uint8).view(-1, *codes.shape[2:])[slots].view(codes.dtype)
+    return rows.to(torch.bfloat16) * scale.to(torch.bfloat16)
+
+
+def rotated_copy(ops, plain: PagedCache) -> PagedCache:
+    """The plain cache's K/V stored again with the rotated + centred recipe: its values, in bf16 rows
+    as a model's projections give them, written by fp8kv's reshape_and_cache with the recipe measured
+    from them. The slots the write does not reach, those past seq_len, hold NaN codes as the plain
+    cache's do. Same block tables and sequence lengths."""
+    slots = cached_slots(plain)
+    key = dequantized_rows(plain.key_nhd, slots, plain.k_scale)
+    value = dequantized_rows(plain.value_nhd, slots, plain.v_scale)
+    recipe = centred_recipe(key, value)
+    key_cache, value_cache = (torch.full_like(c.view(torch.uint8), NAN_CODE).view(CACHE_DTYPE)
+                              for c in (plain.key_nhd, plain.value_nhd))
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slots, recipe.k_scale, recipe.v_scale,
+                          hadamard=True, k_offset=recipe.k_offset)
+    return dataclasses.replace(plain, key_nhd=key_cache, value_nhd=value_cache, key_hnd=hnd_storage(key_cache),
+                               value_hnd=hnd_storage(value_cache), k_scale=recipe.k_scale, v_scale=recipe.v_scale,
+                               hadamard=True, k_offset=recipe.k_offset)
+
+
+def original_basis(cache: PagedCache, block_tables: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 K and V [batch, num_kv_heads, seq_len, head_size] that a rotated + centred cache's codes
+    stand for, in the original basis: dequantized, K's offset added back, times H (its own inverse)."""
+    key = gather_dequantize(cache.key_nhd, block_tables, seq_len, cache.k_scale, torch.float32)
+    value = gather_dequantize(cache.value_nhd, block_tables, seq_len, cache.v_scale, torch.float32)
+    return hadamard(key + cache.k_offset[:, None]), hadamard(value)
+
+
+class RotatedCopy:
+    """A case's rotated + centred copy of its plain cache and the float32 reference over it, made when
+    a rotated column first needs them: fp8kv writes the copy, and where it refuses the recipe each
+    rotated column records why while the plain columns still run."""
+
+    def __init__(self, ops, plain: PagedCache, reference: Callable[[PagedCache], torch.Tensor]):
+        self._ops, self._plain, self._reference = ops, plain, reference
+
+    @functools.cached_property
+    def cache(self) -> PagedCache:
+        return rotated_copy(self._ops, self._plain)
+
+    @functools.cached_property
+    def reference(self) -> torch.Tensor:
+        """reference(cache): the case's attention over the copy's values in the original basis."""
+        return self._reference(self.cache)
+
+    def check(self, out: torch.Tensor) -> dict:
+        """measure()'s check of a rotated column: its own reference, not the plain cache's."""
+        return {"rel_err": common.relative_error(out, self.reference)}
 
 
 def bf16_paged_cache(cache: torch.Tensor, scale: float) -> torch.Tensor:

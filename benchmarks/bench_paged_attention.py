@@ -4,13 +4,16 @@ Shapes are named after the models whose attention layer they are (Llama-3-8B: GQ
 Llama-2-7B: MHA 32/32; Llama-3-70B on 8 GPUs: 8/1 per GPU; Llama-3.2-1B: head 64; Gemma-3-12B: 16/8,
 head 256), with a batch and a context length per sequence.
 
-Columns per shape: fp8kv with an e4m3 cache in NHD and HND storage, fp8kv with a bf16 cache, bf16
+Columns per shape: fp8kv with an e4m3 cache in NHD and HND storage; the same K/V in an e4m3 cache
+written with the rotated + centred recipe (docs/rotated_cache.md), read by fp8kv in the same two
+storages ("fp8kv e4m3 rotated+centred NHD/HND"); fp8kv with a bf16 cache, bf16
 scaled_dot_product_attention on contiguous [B, H, L, D] K/V in every form (flash, efficient, cuDNN
 and torch's default dispatch; enable_gqa or K/V expanded to the query heads: the fastest is the
 baseline), the naive path (gather the pages, convert to bf16, SDPA), and FlashInfer's FP8 decode
 (CUDA-core and tensor-core kernels, NHD and HND: the fastest is the baseline). Every column runs as a
 plain launch and replayed from a CUDA graph; its output is checked against float32 attention on the
-exact dequantized values first.
+exact dequantized values first (a rotated column: on the values its cache stands for, in the original
+basis).
 
 Effective bandwidth = K+V bytes of the cache a method reads (FP8: 1 byte per element; the bf16
 columns: 2) / time. fp8kv is judged on the CUDA-graph time of its faster storage; a baseline's time
@@ -18,7 +21,9 @@ is the faster of its launch and graph times. Targets (PASS/MISS):
 - shapes with >= 256 MiB of FP8 K/V (head size >= 128): time <= 0.53x the best bf16 SDPA and
   effective bandwidth >= 92% of the read-only bandwidth measured in the same run;
 - the smaller shapes (B1 x 32k, B16 x 4k, MQA) and head 64: time <= 0.60x the best bf16 SDPA;
-- every shape: time <= FlashInfer's best FP8 decode / 1.1, and relative error <= 1e-2.
+- every shape: time <= FlashInfer's best FP8 decode / 1.1, and relative error <= 1e-2;
+- every shape: the rotated + centred recipe's time (CUDA graph, its faster storage) <= 1.03x the
+  plain recipe's, and its relative error <= 1e-2.
 """
 
 from __future__ import annotations
@@ -41,8 +46,11 @@ TARGET_SDPA_RATIO_LARGE = 0.53
 TARGET_SDPA_RATIO_SMALL = 0.60
 TARGET_READ_FRACTION = 0.92
 TARGET_FLASHINFER_SPEEDUP = 1.1
+TARGET_ROTATED_VS_PLAIN = 1.03
 
+LAYOUTS = ("NHD", "HND")
 FP8KV_COLUMNS = ("fp8kv e4m3 NHD", "fp8kv e4m3 HND")
+ROTATED_COLUMNS = ("fp8kv e4m3 rotated+centred NHD", "fp8kv e4m3 rotated+centred HND")
 FLASHINFER_PREFIX = "FlashInfer "
 SDPA_PREFIX = "SDPA "
 
@@ -100,15 +108,21 @@ class DecodeCase:
                 cases.gather_dequantize(c.value_nhd, c.block_tables, context, c.v_scale))
 
 
-def fp8kv_column(ops, case: DecodeCase, key_cache, value_cache, k_scale, v_scale) -> Callable[[], torch.Tensor]:
+def fp8kv_column(ops, case: DecodeCase, key_cache, value_cache, k_scale, v_scale, hadamard=False,
+                 k_offset=None) -> Callable[[], torch.Tensor]:
     out = torch.full_like(case.query, float("nan"))
     c = case.cache
 
     def run():
         ops.paged_attention(out, case.query, key_cache, value_cache, c.block_tables, c.seq_lens, None,
-                            case.softmax_scale, k_scale, v_scale)
+                            case.softmax_scale, k_scale, v_scale, hadamard=hadamard, k_offset=k_offset)
         return out
     return run
+
+
+def fp8kv_e4m3_column(ops, case: DecodeCase, cache: cases.PagedCache, layout: str):
+    """fp8kv over an e4m3 cache (the case's, or its rotated copy) in one storage, read with its recipe."""
+    return fp8kv_column(ops, case, *cache.layout(layout), cache.k_scale, cache.v_scale, cache.hadamard, cache.k_offset)
 
 
 def fp8kv_bf16_cache_column(ops, case: DecodeCase):
@@ -143,7 +157,8 @@ def flashinfer_column(flashinfer, case: DecodeCase, layout: str, use_tensor_core
     return wrapped
 
 
-def column_builders(ops, ops_reason: str, flashinfer, shape: DecodeShape) -> dict[str, tuple[int, Callable]]:
+def column_builders(ops, ops_reason: str, flashinfer, shape: DecodeShape,
+                    rotated: cases.RotatedCopy) -> dict[str, tuple[int, Callable]]:
     """name -> (bytes per cached element the method reads, builder(case, info) -> run)."""
 
     def needs_fp8kv(build):
@@ -153,11 +168,10 @@ def column_builders(ops, ops_reason: str, flashinfer, shape: DecodeShape) -> dic
             return build(case, info)
         return checked
 
-    def fp8kv_e4m3(layout):
-        return lambda case, info: fp8kv_column(ops, case, *case.cache.layout(layout), case.cache.k_scale,
-                                               case.cache.v_scale)
-
-    builders = {name: (1, needs_fp8kv(fp8kv_e4m3(layout))) for name, layout in zip(FP8KV_COLUMNS, ("NHD", "HND"))}
+    builders = {name: (1, needs_fp8kv(lambda case, info, l=layout: fp8kv_e4m3_column(ops, case, case.cache, l)))
+                for name, layout in zip(FP8KV_COLUMNS, LAYOUTS)}
+    for name, layout in zip(ROTATED_COLUMNS, LAYOUTS):
+        builders[name] = (1, needs_fp8kv(lambda case, info, l=layout: fp8kv_e4m3_column(ops, case, rotated.cache, l)))
     builders["fp8kv bf16 cache"] = (2, needs_fp8kv(lambda case, info: fp8kv_bf16_cache_column(ops, case)))
     for form in cases.sdpa_forms(shape.model.num_heads, shape.model.num_kv_heads):
         builders[form.name] = (2, lambda case, info, f=form: sdpa_column(case, f))
@@ -182,16 +196,22 @@ def make_case(shape: DecodeShape, device: torch.device, seed: int) -> DecodeCase
     return DecodeCase(shape, cache, query, m.head_size**-0.5)
 
 
-def reference_output(case: DecodeCase) -> torch.Tensor:
-    return cases.reference_attention(case.query.unsqueeze(2), *case.dequantized(), case.softmax_scale).squeeze(2)
+def reference_output(case: DecodeCase, rotated: cases.PagedCache | None = None) -> torch.Tensor:
+    """float32 attention over the case's cache, or over what its rotated copy stands for."""
+    key, value = (case.dequantized() if rotated is None
+                  else cases.original_basis(rotated, rotated.block_tables, case.shape.context))
+    return cases.reference_attention(case.query.unsqueeze(2), key, value, case.softmax_scale).squeeze(2)
 
 
 def measure_shape(shape: DecodeShape, setup: common.Setup, seed: int) -> dict:
     case = make_case(shape, setup.device, seed)
-    ref = reference_output(case)
+    plain_check = common.rel_err_check(reference_output(case))
+    rotated = cases.RotatedCopy(setup.ops, case.cache, lambda cache: reference_output(case, cache))
     columns = {}
-    for name, (element_size, build) in column_builders(setup.ops, setup.ops_reason, setup.flashinfer, shape).items():
-        columns[name] = common.measure(lambda info: build(case, info), common.rel_err_check(ref), setup.flush)
+    builders = column_builders(setup.ops, setup.ops_reason, setup.flashinfer, shape, rotated)
+    for name, (element_size, build) in builders.items():
+        check = rotated.check if name in ROTATED_COLUMNS else plain_check
+        columns[name] = common.measure(lambda info: build(case, info), check, setup.flush)
         columns[name]["bytes"] = shape.kv_bytes(element_size)
         common.add_rate(columns[name], shape.kv_bytes(element_size), "eff_tb_s", common.TB)
     row = {"label": shape.label, "model": shape.model.name, "shape": dataclasses.asdict(shape),
@@ -210,11 +230,13 @@ def summarize_row(row: dict, ceilings: dict) -> dict:
     summary = {"fp8kv_best": best, "sdpa_best": sdpa, "flashinfer_best": flashinfer,
                "sdpa_us": sdpa and common.best_us(cols[sdpa]),
                "flashinfer_us": flashinfer and common.best_us(cols[flashinfer])}
+    summary |= common.rotated_summary(cols, ROTATED_COLUMNS, best and common.graph_us(cols[best]))
+    if summary["rotated_best"]:
+        summary["max_rotated_rel_err"] = common.max_rel_err(cols, ROTATED_COLUMNS)
     if best is None:
         return summary
     launch_us, us = cols[best]["median_us"], common.graph_us(cols[best])
-    summary.update(fp8kv_launch_us=launch_us, fp8kv_graph_us=us,
-                   max_fp8kv_rel_err=max(common.worst_rel_err(cols[n]) for n in FP8KV_COLUMNS if n in cols))
+    summary.update(fp8kv_launch_us=launch_us, fp8kv_graph_us=us, max_fp8kv_rel_err=common.max_rel_err(cols, FP8KV_COLUMNS))
     if us is not None:
         tb_s = row["fp8_kv_bytes"] / (us * 1e-6) / common.TB
         summary.update(fp8kv_tb_s=tb_s, fraction_of_read=tb_s / ceilings["read_tb_s"],
@@ -239,6 +261,9 @@ def evaluate_targets(row: dict) -> dict[str, bool | None]:
     targets[f"<=FI/{TARGET_FLASHINFER_SPEEDUP}"] = judge(lambda: vs_fi <= 1 / TARGET_FLASHINFER_SPEEDUP, vs_fi)
     err = s.get("max_fp8kv_rel_err")
     targets["err<=1e-2"] = judge(lambda: err <= MAX_REL_ERR, err)
+    targets |= common.rotated_ratio_target(s, TARGET_ROTATED_VS_PLAIN)
+    rotated_err = s.get("max_rotated_rel_err")
+    targets[f"{common.ROTATED}_err<=1e-2"] = judge(lambda: rotated_err <= MAX_REL_ERR, rotated_err)
     return targets
 
 
@@ -247,21 +272,23 @@ def short_form(name: str | None, prefix: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    headers = ["shape", "FP8 MB", "NHD us", "HND us", "graph us", "bf16$ us", "SDPA us", "SDPA form", "FI us",
-               "FI form", "TB/s", "%read", "xSDPA", "xFI", "err", "targets"]
+    rot = common.ROTATED
+    headers = ["shape", "FP8 MB", "NHD us", "HND us", "graph us", f"{rot} us", "xplain", "bf16$ us", "SDPA us",
+               "SDPA form", "FI us", "FI form", "TB/s", "%read", "xSDPA", "xFI", "err", f"{rot} err", "targets"]
     body = []
     for row in rows:
         cols, s = row["columns"], row["summary"]
         us = lambda name: common.fmt(cols.get(name, {}).get("median_us"))
         body.append([
             row["label"], f"{row['fp8_kv_bytes'] / 1e6:.0f}", us("fp8kv e4m3 NHD"), us("fp8kv e4m3 HND"),
-            common.fmt(s.get("fp8kv_graph_us")), us("fp8kv bf16 cache"),
+            common.fmt(s.get("fp8kv_graph_us")), common.fmt(s.get("rotated_graph_us")),
+            common.fmt(s.get("rotated_vs_plain"), 2), us("fp8kv bf16 cache"),
             common.fmt(s.get("sdpa_us")), short_form(s.get("sdpa_best"), SDPA_PREFIX),
             common.fmt(s.get("flashinfer_us")), short_form(s.get("flashinfer_best"), FLASHINFER_PREFIX),
             common.fmt(s.get("fp8kv_tb_s"), 2),
             common.fmt(100 * s["fraction_of_read"] if "fraction_of_read" in s else None, 0),
             common.fmt(s.get("vs_sdpa"), 2), common.fmt(s.get("vs_flashinfer"), 2),
-            f"{s['max_fp8kv_rel_err']:.1e}" if "max_fp8kv_rel_err" in s else "-",
+            common.fmt_err(s.get("max_fp8kv_rel_err")), common.fmt_err(s.get("max_rotated_rel_err")),
             common.targets_text(row.get("targets", {})),
         ])
     return common.format_table(headers, body)
@@ -274,7 +301,9 @@ def main() -> None:
     plot = {"metric": "eff_tb_s", "ylabel": "effective bandwidth (TB/s)",
             "lines": {"copy": ceilings["copy_tb_s"], "read": ceilings["read_tb_s"],
                       f"{TARGET_READ_FRACTION:.0%} of read": TARGET_READ_FRACTION * ceilings["read_tb_s"]},
-            "series": [["fp8kv e4m3 (faster storage)", "@fp8kv_best"], ["fp8kv bf16 cache", "fp8kv bf16 cache"],
+            "series": [["fp8kv e4m3 (faster storage)", "@fp8kv_best"],
+                       ["fp8kv e4m3 rotated+centred (faster storage)", "@rotated_best"],
+                       ["fp8kv bf16 cache", "fp8kv bf16 cache"],
                        ["bf16 SDPA (fastest form)", "@sdpa_best"], ["dequant+SDPA", "dequant+SDPA"],
                        ["FlashInfer FP8 (fastest)", "@flashinfer_best"]],
             "relative_to": ["bf16 SDPA", "@sdpa_best"]}

@@ -4,18 +4,23 @@ prefill, speculative verification and a mixed batch, every baseline measured in 
 Shapes (Llama-3-8B: GQA 32/8, head 128; block 16): prefill of 4096 tokens (B4); chunked prefill of
 512 new tokens over 8192 cached (B8); verification of 4 draft tokens over 4096 cached (B64); a mixed
 batch in one call: 64 sequences decoding one token over 4096 cached and 2 prefilling 2048 tokens.
-Columns: fp8kv e4m3 in NHD and HND storage; bf16 scaled_dot_product_attention (causal, aligned to
+Columns: fp8kv e4m3 in NHD and HND storage; the same K/V in an e4m3 cache written with the rotated +
+centred recipe (docs/rotated_cache.md), read by fp8kv in the same two storages ("fp8kv e4m3
+rotated+centred NHD/HND"); bf16 scaled_dot_product_attention (causal, aligned to
 the end of the keys) on contiguous K/V in every form (flash, efficient, cuDNN, torch's default;
 enable_gqa or expanded K/V), one call per group of equal sequences; FlashInfer's FP8 paged prefill
 (FA2) in both storages; for verification, fp8kv's decode (one query token) over the same cache.
 Every column runs as a plain launch and replayed from a CUDA graph; its output is checked against
-float32 attention on the exact dequantized values first.
+float32 attention on the exact dequantized values first (a rotated column: on the values its cache
+stands for, in the original basis).
 
 Throughput = causally visible multiply-adds x 2 (QK^T and PV) / time, the same count for every
 column. fp8kv is judged on the CUDA-graph time of its faster storage; a baseline's time is the
 faster of its launch and graph times. Targets (PASS/MISS): every shape: throughput >= 1.0x bf16
 SDPA flash (its faster form) and FlashInfer's FP8 prefill time >= 1.3x fp8kv's; verification: time
-<= 1.1x fp8kv's decode on the same cache; relative error <= 1e-2.
+<= 1.1x fp8kv's decode on the same cache; relative error <= 1e-2; every shape: the rotated + centred
+recipe's time (CUDA graph, its faster storage) <= 1.05x the plain recipe's, and its relative error
+<= 1e-2.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ MAX_REL_ERR = 1e-2  # as in bench_paged_attention.py: bf16 output rounding and 1
 TARGET_SDPA_FLASH_THROUGHPUT = 1.0
 TARGET_FLASHINFER_SLOWER = 1.3
 TARGET_VERIFY_VS_DECODE = 1.1
+TARGET_ROTATED_VS_PLAIN = 1.05
+LAYOUTS = ("NHD", "HND")
 FP8KV_COLUMNS = ("fp8kv e4m3 NHD", "fp8kv e4m3 HND")
+ROTATED_COLUMNS = ("fp8kv e4m3 rotated+centred NHD", "fp8kv e4m3 rotated+centred HND")
 DECODE_COLUMNS = ("fp8kv decode NHD", "fp8kv decode HND")
 FLASHINFER_PREFIX = "FlashInfer "
 SDPA_PREFIX = "SDPA "
@@ -104,10 +112,18 @@ class PrefillCase:
     cu_seqlens_q: torch.Tensor  # int32 [num_seqs + 1]
     softmax_scale: float
 
-    def reference_rows(self) -> torch.Tensor:
-        """float32 attention of every query row, [total rows, Hq, D]."""
-        refs = [cases.reference_attention(g.batched(g.query), g.key, g.value, self.softmax_scale) for g in self.groups]
+    def reference_rows(self, rotated: cases.PagedCache | None = None) -> torch.Tensor:
+        """float32 attention of every query row, [total rows, Hq, D]: over the case's cache, or over
+        what its rotated copy stands for."""
+        kv = ((g.key, g.value) for g in self.groups) if rotated is None else self.original_basis(rotated)
+        refs = [cases.reference_attention(g.batched(g.query), key, value, self.softmax_scale)
+                for g, (key, value) in zip(self.groups, kv)]
         return torch.cat([rows_of(ref) for ref in refs])
+
+    def original_basis(self, rotated: cases.PagedCache):
+        """Each group's K/V that the rotated copy stands for, one group at a time."""
+        tables = rotated.block_tables.split([g.sequences.batch for g in self.groups])
+        return (cases.original_basis(rotated, t, g.sequences.seq_len) for g, t in zip(self.groups, tables))
 
     def last_rows(self) -> torch.Tensor:
         """Each sequence's last query row, [B, Hq, D]: the decode step of the same cache (one group)."""
@@ -138,16 +154,17 @@ def make_case(shape: PrefillShape, device: torch.device, seed: int) -> PrefillCa
     return PrefillCase(shape, groups, cache, query, cu_seqlens_q, m.head_size**-0.5)
 
 
-def fp8kv_column(ops, case: PrefillCase, layout: str, decode: bool = False):
-    c = case.cache
-    key, value = c.layout(layout)
+def fp8kv_column(ops, case: PrefillCase, cache: cases.PagedCache, layout: str, decode: bool = False):
+    """fp8kv over an e4m3 cache (the case's, or its rotated copy) in one storage, read with its recipe."""
+    key, value = cache.layout(layout)
     query = case.last_rows() if decode else case.query
     cu_seqlens_q = None if decode else case.cu_seqlens_q
     out = torch.full_like(query, float("nan"))
 
     def run():
-        ops.paged_attention(out, query, key, value, c.block_tables, c.seq_lens, cu_seqlens_q,
-                            case.softmax_scale, c.k_scale, c.v_scale)
+        ops.paged_attention(out, query, key, value, cache.block_tables, cache.seq_lens, cu_seqlens_q,
+                            case.softmax_scale, cache.k_scale, cache.v_scale, hadamard=cache.hadamard,
+                            k_offset=cache.k_offset)
         return out
     return run
 
@@ -178,16 +195,19 @@ def measure_shape(shape: PrefillShape, setup: common.Setup, seed: int) -> dict:
     ops, ops_reason, flashinfer = setup.ops, setup.ops_reason, setup.flashinfer
     case = make_case(shape, setup.device, seed)
     ref = case.reference_rows()
+    rotated = cases.RotatedCopy(ops, case.cache, case.reference_rows)
     sdpa_to_rows = lambda outs: torch.cat([rows_of(out) for out in outs])
 
-    def fp8kv(layout, decode=False):
+    def fp8kv(layout, decode=False, cache_of=lambda: case.cache):
         def build(info):
             if ops is None:
                 raise RuntimeError(ops_reason)
-            return fp8kv_column(ops, case, layout, decode)
+            return fp8kv_column(ops, case, cache_of(), layout, decode)
         return build
 
-    columns = {name: (fp8kv(layout), common.rel_err_check(ref)) for name, layout in zip(FP8KV_COLUMNS, ("NHD", "HND"))}
+    columns = {name: (fp8kv(layout), common.rel_err_check(ref)) for name, layout in zip(FP8KV_COLUMNS, LAYOUTS)}
+    for name, layout in zip(ROTATED_COLUMNS, LAYOUTS):
+        columns[name] = (fp8kv(layout, cache_of=lambda: rotated.cache), rotated.check)
     for form in cases.sdpa_forms(shape.model.num_heads, shape.model.num_kv_heads):
         columns[form.name] = (lambda info, f=form: sdpa_column(case, f), common.rel_err_check(ref, sdpa_to_rows))
     if flashinfer is not None:
@@ -196,7 +216,7 @@ def measure_shape(shape: PrefillShape, setup: common.Setup, seed: int) -> dict:
                                                        common.rel_err_check(ref))
     if shape.kind == "verify":
         last_rows_ref = case.groups[0].batched(ref)[:, :, -1]
-        for name, layout in zip(DECODE_COLUMNS, ("NHD", "HND")):
+        for name, layout in zip(DECODE_COLUMNS, LAYOUTS):
             columns[name] = (fp8kv(layout, decode=True), common.rel_err_check(last_rows_ref))
     results = {}
     for name, (build, check) in columns.items():
@@ -218,11 +238,14 @@ def summarize_row(row: dict) -> dict:
     for key, prefix in (("sdpa_flash", SDPA_FLASH_PREFIX), ("sdpa", SDPA_PREFIX), ("flashinfer", FLASHINFER_PREFIX)):
         name = common.fastest(cols, [n for n in cols if n.startswith(prefix)])
         summary[f"{key}_best"], summary[f"{key}_us"] = name, name and common.best_us(cols[name])
+    summary |= common.rotated_summary(cols, ROTATED_COLUMNS, best and common.graph_us(cols[best]))
+    if summary["rotated_best"]:
+        summary["max_rotated_rel_err"] = common.max_rel_err(cols, ROTATED_COLUMNS)
     if best is None:
         return summary
     us = common.graph_us(cols[best])
     summary.update(fp8kv_launch_us=cols[best]["median_us"], fp8kv_graph_us=us,
-                   max_fp8kv_rel_err=max(common.worst_rel_err(cols[n]) for n in FP8KV_COLUMNS if n in cols))
+                   max_fp8kv_rel_err=common.max_rel_err(cols, FP8KV_COLUMNS))
     if us is None:
         return summary
     summary["fp8kv_tflops"] = row["flops"] / (us * 1e-6) / 1e12
@@ -245,24 +268,29 @@ def evaluate_targets(row: dict) -> dict[str, bool | None]:
         targets[f"<={TARGET_VERIFY_VS_DECODE}xdecode"] = judge(lambda: decode <= TARGET_VERIFY_VS_DECODE, decode)
     err = s.get("max_fp8kv_rel_err")
     targets["err<=1e-2"] = judge(lambda: err <= MAX_REL_ERR, err)
+    targets |= common.rotated_ratio_target(s, TARGET_ROTATED_VS_PLAIN)
+    rotated_err = s.get("max_rotated_rel_err")
+    targets[f"{common.ROTATED}_err<=1e-2"] = judge(lambda: rotated_err <= MAX_REL_ERR, rotated_err)
     return targets
 
 
 def table(rows: list[dict]) -> str:
-    headers = ["shape", "NHD us", "HND us", "graph us", "flash us", "SDPA us", "SDPA form", "FI us", "decode us",
-               "TFLOP/s", "flash/fp8kv", "FI/fp8kv", "xdecode", "err", "targets"]
+    rot = common.ROTATED
+    headers = ["shape", "NHD us", "HND us", "graph us", f"{rot} us", "xplain", "flash us", "SDPA us", "SDPA form",
+               "FI us", "decode us", "TFLOP/s", "flash/fp8kv", "FI/fp8kv", "xdecode", "err", f"{rot} err", "targets"]
     body = []
     for row in rows:
         cols, s = row["columns"], row["summary"]
         us = lambda name: common.fmt(cols.get(name, {}).get("median_us"))
         body.append([
             row["label"], us("fp8kv e4m3 NHD"), us("fp8kv e4m3 HND"), common.fmt(s.get("fp8kv_graph_us")),
+            common.fmt(s.get("rotated_graph_us")), common.fmt(s.get("rotated_vs_plain"), 2),
             common.fmt(s.get("sdpa_flash_us")), common.fmt(s.get("sdpa_us")),
             s["sdpa_best"][len(SDPA_PREFIX):] if s.get("sdpa_best") else "-",
             common.fmt(s.get("flashinfer_us")), common.fmt(s.get("decode_us")), common.fmt(s.get("fp8kv_tflops")),
             common.fmt(s.get("sdpa_flash_vs_fp8kv"), 2), common.fmt(s.get("flashinfer_vs_fp8kv"), 2),
             common.fmt(s.get("vs_decode"), 2),
-            f"{s['max_fp8kv_rel_err']:.1e}" if "max_fp8kv_rel_err" in s else "-",
+            common.fmt_err(s.get("max_fp8kv_rel_err")), common.fmt_err(s.get("max_rotated_rel_err")),
             common.targets_text(row["targets"]),
         ])
     return common.format_table(headers, body)
@@ -273,7 +301,9 @@ def main() -> None:
     args, shapes, setup = common.start_run(__doc__.split("\n\n")[0], default_shapes(), default_shapes(), flashinfer=True)
     rows = common.measure_rows(shapes, lambda shape, index: measure_shape(shape, setup, seed=100 + index))
     plot = {"metric": "tflops", "ylabel": "attention TFLOP/s (causal, useful FLOPs)", "lines": {},
-            "series": [["fp8kv e4m3 (faster storage)", "@fp8kv_best"], ["bf16 SDPA flash", "@sdpa_flash_best"],
+            "series": [["fp8kv e4m3 (faster storage)", "@fp8kv_best"],
+                       ["fp8kv e4m3 rotated+centred (faster storage)", "@rotated_best"],
+                       ["bf16 SDPA flash", "@sdpa_flash_best"],
                        ["bf16 SDPA (fastest form)", "@sdpa_best"], ["FlashInfer FP8 (fastest)", "@flashinfer_best"],
                        ["fp8kv decode", "@decode_best"]],
             "relative_to": ["bf16 SDPA flash", "@sdpa_flash_best"]}

@@ -276,6 +276,11 @@ def worst_rel_err(column: dict) -> float:
     return max(column.get("rel_err", float("inf")), column.get("graph", {}).get("rel_err", 0.0))
 
 
+def max_rel_err(columns: dict, names: Iterable[str]) -> float:
+    """The worst relative error among the named columns present (inf where one did not run)."""
+    return max(worst_rel_err(columns[n]) for n in names if n in columns)
+
+
 def rel_err_check(reference: torch.Tensor, to_reference: Callable[[torch.Tensor], torch.Tensor] = lambda out: out):
     """A check for measure(): relative error of the (reshaped) output against a reference."""
     return lambda out: {"rel_err": relative_error(to_reference(out), reference)}
@@ -322,6 +327,10 @@ def fmt(value: float | None, digits: int = 1) -> str:
     return f"{value:.{digits}f}"
 
 
+def fmt_err(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
 def verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("PASS" if ok else "MISS")
 
@@ -333,6 +342,30 @@ def judge(condition: Callable[[], bool], *values) -> bool | None:
 
 def targets_text(targets: dict[str, bool | None]) -> str:
     return " ".join(f"{name}:{verdict(ok)}" for name, ok in targets.items())
+
+
+ROTATED = "rot+c"  # the rotated + centred recipe, in target names and table headers
+
+
+def rotated_summary(columns: dict, names: Sequence[str], plain_graph_us: float | None) -> dict:
+    """The rotated + centred recipe's columns next to the plain recipe's: its faster storage, picked by
+    CUDA-graph time (by launch time where no graph ran) as the plain one is, its launch and graph
+    times, and its graph time relative to the plain recipe's."""
+    best = fastest(columns, names, graph_us) or fastest(columns, names)
+    summary = {"rotated_best": best}
+    if best is None:
+        return summary
+    us = graph_us(columns[best])
+    summary.update(rotated_launch_us=columns[best]["median_us"], rotated_graph_us=us)
+    if us is not None and plain_graph_us:
+        summary["rotated_vs_plain"] = us / plain_graph_us
+    return summary
+
+
+def rotated_ratio_target(summary: dict, max_ratio: float) -> dict[str, bool | None]:
+    """The rotated + centred recipe's graph time at most max_ratio x the plain recipe's."""
+    ratio = summary.get("rotated_vs_plain")
+    return {f"{ROTATED}<={max_ratio}xplain": judge(lambda: ratio <= max_ratio, ratio)}
 
 
 def errors_text(rows: list[dict]) -> str:

@@ -35,12 +35,22 @@ struct KeyValueInput {
   int64_t value_token_stride, value_head_stride;
 };
 
+// The rotated recipe's transform of an FP8 cache (docs/rotated_cache.md); the plain recipe has
+// neither part. K is stored as (rotated K) - k_offset, V as rotated V.
+struct CacheTransform {
+  bool hadamard;          // rotate by the block Hadamard matrix of hadamard.h
+  const float* k_offset;  // nullptr, or [num_kv_heads][head_size] contiguous, in the stored basis
+
+  FP8KV_HOST_DEVICE bool any() const { return hadamard || k_offset != nullptr; }
+};
+
 struct CacheWriteParams : KeyValueInput {
   CacheView key_cache, value_cache;
   DType cache_dtype;
   const int64_t* slot_mapping;
   int64_t num_slots;  // tokens to write: slot_mapping's length
   HeadScalars k_scale, v_scale;
+  CacheTransform transform;
   int num_kv_heads, head_size, block_size, num_blocks;
 };
 
@@ -64,6 +74,7 @@ struct PagedAttentionParams {
   HeadScalars k_scale, v_scale;
   int sliding_window;     // <= 0: none
   float logits_soft_cap;  // <= 0: none
+  CacheTransform transform;
 };
 
 // The cache positions [begin, end) that query token `token` of a sequence's q_len query tokens sees,

@@ -9,6 +9,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "hadamard.h"
+
 namespace fp8kv {
 namespace {
 
@@ -189,6 +191,36 @@ HeadScalars head_scalars(const char* op, const char* name, const at::Tensor& t, 
   return HeadScalars{t.data_ptr<float>(), t.size(0) > 1};
 }
 
+// The rotated recipe's arguments (docs/rotated_cache.md): FP8 caches only; `hadamard` needs rotation
+// blocks of at least kMinHadamardBlock; `k_offset` is float32 [num_kv_heads, head_size], contiguous,
+// on the op's device, and finite where it is on the host (as scales are checked).
+CacheTransform cache_transform(const char* op, bool hadamard, const std::optional<at::Tensor>& k_offset,
+                               c10::ScalarType cache_type, int64_t num_kv_heads, int64_t head_size,
+                               const at::Tensor& device_reference, const char* reference_name) {
+  const bool offset = k_offset.has_value();
+  TORCH_CHECK(!(hadamard || offset) || is_one_of(kFp8DTypes, cache_type), op, ": `", hadamard ? "hadamard" : "k_offset",
+              "` needs an FP8 cache (an unquantized cache stores K/V as they are), got `key_cache` of ", cache_type);
+  TORCH_CHECK(!hadamard || hadamard_block(static_cast<int>(head_size)) >= kMinHadamardBlock, op,
+              ": `hadamard` needs a head_size divisible by ", kMinHadamardBlock,
+              " (the rotation's blocks are the largest power of two dividing it), got ", head_size);
+  if (!offset) return CacheTransform{hadamard, nullptr};
+  const at::Tensor& t = *k_offset;
+  TORCH_CHECK(t.scalar_type() == c10::ScalarType::Float, op, ": `k_offset` must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == num_kv_heads && t.size(1) == head_size, op,
+              ": `k_offset` must have shape [num_kv_heads, head_size] = [", num_kv_heads, ", ", head_size, "], got ",
+              t.sizes());
+  TORCH_CHECK(t.is_contiguous(), op, ": `k_offset` must be contiguous");
+  check_same_device(op, "k_offset", t, device_reference, reference_name);
+  if (t.device().is_cpu()) {
+    const float* values = t.data_ptr<float>();
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      TORCH_CHECK(std::isfinite(values[i]), op, ": `k_offset`[", i / head_size, ", ", i % head_size, "] = ", values[i],
+                  " must be finite");
+    }
+  }
+  return CacheTransform{hadamard, t.data_ptr<float>()};
+}
+
 // Checks a [num_blocks, block_size, num_kv_heads, head_size] cache and describes it.
 CacheView cache_view(const char* op, const char* name, const at::Tensor& cache) {
   check_rank(op, name, cache, 4, "[num_blocks, block_size, num_kv_heads, head_size]");
@@ -235,7 +267,8 @@ KeyValueInput key_value_input(const at::Tensor& key, const at::Tensor& value) {
 
 CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                                     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                                    const at::Tensor& k_scale, const at::Tensor& v_scale) {
+                                    const at::Tensor& k_scale, const at::Tensor& v_scale, bool hadamard,
+                                    const std::optional<at::Tensor>& k_offset) {
   constexpr const char* op = "fp8kv.reshape_and_cache";
   check_key_value(op, key, value);
   CacheWriteParams p{};
@@ -255,7 +288,7 @@ CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& val
   check_same_device(op, "slot_mapping", slot_mapping, key, "key");
   check_no_overlap(op, {{"key_cache", &key_cache}, {"value_cache", &value_cache}},
                    {{"key", &key}, {"value", &value}, {"slot_mapping", &slot_mapping}, {"k_scale", &k_scale},
-                    {"v_scale", &v_scale}});
+                    {"v_scale", &v_scale}, {"k_offset", k_offset.has_value() ? &*k_offset : &kNoTensor}});
 
   static_cast<KeyValueInput&>(p) = key_value_input(key, value);
   p.cache_dtype = to_dtype(cache_type);
@@ -267,6 +300,7 @@ CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& val
   p.num_blocks = static_cast<int>(key_cache.size(0));
   p.k_scale = head_scalars(op, "k_scale", k_scale, p.num_kv_heads, key, "key", Scalars::kScales);
   p.v_scale = head_scalars(op, "v_scale", v_scale, p.num_kv_heads, key, "key", Scalars::kScales);
+  p.transform = cache_transform(op, hadamard, k_offset, cache_type, p.num_kv_heads, p.head_size, key, "key");
   return p;
 }
 
@@ -275,7 +309,8 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
                                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                             const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
                                             const at::Tensor& k_scale, const at::Tensor& v_scale,
-                                            int64_t sliding_window, double logits_soft_cap) {
+                                            int64_t sliding_window, double logits_soft_cap, bool hadamard,
+                                            const std::optional<at::Tensor>& k_offset) {
   constexpr const char* op = "fp8kv.paged_attention";
   check_rank(op, "query", query, 3, "[num_query_tokens, num_heads, head_size]");
   const auto query_type = query.scalar_type();
@@ -339,7 +374,8 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
                    {{"query", &query}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
                     {"block_tables", &block_tables}, {"seq_lens", &seq_lens},
                     {"cu_seqlens_q", cu_seqlens_q.has_value() ? &*cu_seqlens_q : &kNoTensor},
-                    {"k_scale", &k_scale}, {"v_scale", &v_scale}});
+                    {"k_scale", &k_scale}, {"v_scale", &v_scale},
+                    {"k_offset", k_offset.has_value() ? &*k_offset : &kNoTensor}});
   TORCH_CHECK(!may_overlap(key_cache, value_cache), op,
               ": `key_cache` and `value_cache` must be distinct tensors that do not overlap in memory");
 
@@ -368,6 +404,7 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
   p.v_scale = head_scalars(op, "v_scale", v_scale, num_kv_heads, query, "query", Scalars::kScales);
   p.sliding_window = static_cast<int>(sliding_window);
   p.logits_soft_cap = cap32;
+  p.transform = cache_transform(op, hadamard, k_offset, cache_type, num_kv_heads, p.head_size, query, "query");
   return p;
 }
 

@@ -14,14 +14,16 @@ namespace fp8kv {
 
 CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                                     const at::Tensor& value_cache, const at::Tensor& slot_mapping,
-                                    const at::Tensor& k_scale, const at::Tensor& v_scale);
+                                    const at::Tensor& k_scale, const at::Tensor& v_scale, bool hadamard,
+                                    const std::optional<at::Tensor>& k_offset);
 
 PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Tensor& query,
                                             const at::Tensor& key_cache, const at::Tensor& value_cache,
                                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                             const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
                                             const at::Tensor& k_scale, const at::Tensor& v_scale,
-                                            int64_t sliding_window, double logits_soft_cap);
+                                            int64_t sliding_window, double logits_soft_cap, bool hadamard,
+                                            const std::optional<at::Tensor>& k_offset);
 
 AmaxParams amax_params(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_amax,
                        const at::Tensor& v_amax);

@@ -3,7 +3,8 @@
     compute-sanitizer --tool memcheck --error-exitcode 1 python scripts/sanitize_cuda.py
     compute-sanitizer --tool racecheck --error-exitcode 1 python scripts/sanitize_cuda.py --small
 
-Covers cache write (vectorized and scalar paths, skipped slots), kv_amax, and paged attention for
+Covers cache write (vectorized and scalar paths, skipped slots; the rotated recipe's), kv_amax, and
+paged attention (the rotated recipe with K offsets too) for
 every cache format and head size, decode, verification and prefill (both stagings of the
 multi-token kernel), split-KV with its merge, persistent decode CTAs taking several work items, sliding window, soft cap, HND layout, partial last pages and block-table entries that are never read (-1).
 On compute capability 9.0, the warpgroup-MMA multi-token kernel also runs short queries (forced with
@@ -23,7 +24,8 @@ from fp8kv._ops import supported_values
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, None]  # None: unquantized
 
 
-def attention_case(head_size, block_size, group, cache_dtype, queries, hnd, window, cap, long, num_seqs=3):
+def attention_case(head_size, block_size, group, cache_dtype, queries, hnd, window, cap, long, num_seqs=3,
+                   rotated=False):
     """queries: 'decode' (one per sequence), 'verify' (1, 2 and 4 draft tokens) or 'prefill' (3
     sequences); decode may take more sequences (the three lengths repeated)."""
     device = "cuda"
@@ -53,11 +55,12 @@ def attention_case(head_size, block_size, group, cache_dtype, queries, hnd, wind
     query = torch.randn(num_tokens, group * num_kv_heads, head_size, device=device, dtype=query_dtype)
     out = torch.empty_like(query)
     scale = torch.full((num_kv_heads,), 0.02, device=device)
+    k_offset = torch.randn(num_kv_heads, head_size, device=device) if rotated else None
     ops.paged_attention(out, query, key_cache, value_cache, table.to(device), lens.int().to(device), cu,
-                        head_size ** -0.5, scale, scale, window, cap)
+                        head_size ** -0.5, scale, scale, window, cap, rotated, k_offset)
 
 
-def cache_write_case(src_dtype, cache_dtype, head_size, strided):
+def cache_write_case(src_dtype, cache_dtype, head_size, strided, rotated=False):
     device = "cuda"
     tokens, heads, block_size, num_blocks = 37, 2, 16, 6
     fused = torch.randn(tokens, 3 * heads, head_size + (1 if strided else 0), device=device).to(src_dtype)
@@ -68,7 +71,8 @@ def cache_write_case(src_dtype, cache_dtype, head_size, strided):
     slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
     slots[::5] = -1
     scale = torch.tensor([0.5], device=device)
-    ops.reshape_and_cache(key, value, key_cache, value_cache, slots, scale, scale)
+    k_offset = torch.randn(heads, head_size, device=device) if rotated else None
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slots, scale, scale, rotated, k_offset)
     k_amax, v_amax = torch.zeros(heads, device=device), torch.zeros(1, device=device)
     ops.kv_amax(key, value, k_amax, v_amax)
 
@@ -85,6 +89,11 @@ def main():
         count += 1
         if args.small and count >= 4:
             break
+    fp8 = [f for f in FORMATS if f is not None]
+    for src, cache, head, strided in itertools.product([torch.float32, torch.bfloat16], fp8[:1] if args.small else fp8,
+                                                      [64, 80, 256], [False, True]):
+        cache_write_case(src, cache, head, strided, rotated=True)  # the rotated recipe: lanes exchange values
+        count += 1
     heads = [128] if args.small else list(supported_values("cuda_head_sizes"))
     block_sizes = supported_values("cuda_block_sizes")[:3]  # the smallest: sequences span many blocks
     for i, (head, cache) in enumerate(itertools.product(heads, FORMATS)):
@@ -94,13 +103,18 @@ def main():
                            hnd=(i + j) % 2 == 1, window=50 if j == 2 else -1, cap=20.0 if (i + j) % 3 == 0 else 0.0,
                            long=long)
             count += 1
+    for i, head in enumerate(heads):  # the rotated recipe, its logit offsets under a soft cap
+        for j, queries in enumerate(["decode", "prefill", "verify"]):
+            attention_case(head, block_sizes[(i + j) % 3], [1, 4, 8][j], fp8[(i + j) % len(fp8)], queries,
+                           hnd=j == 1, window=-1, cap=20.0 if j != 2 else 0.0, long=j == 0, rotated=True)
+            count += 1
     if torch.cuda.get_device_capability() == supported_values("cuda_sm90a_capability"):
         os.environ["FP8KV_MULTI_TOKEN_KERNEL"] = "sm90a"
         sm90a_heads = supported_values("cuda_sm90a_head_sizes")
         for head, cache, queries in itertools.product(sm90a_heads[-1:] if args.small else sm90a_heads,
                                                       [torch.float8_e4m3fn, None], ["verify", "prefill"]):
             attention_case(head, 16, 4, cache, queries, hnd=cache is None, window=50 if cache is None else -1,
-                           cap=0.0 if cache is None else 20.0, long=True)
+                           cap=0.0 if cache is None else 20.0, long=True, rotated=cache is not None)
             count += 1
         del os.environ["FP8KV_MULTI_TOKEN_KERNEL"]
     for head in heads:  # decode with far more work items than resident CTAs: each CTA takes several

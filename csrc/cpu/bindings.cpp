@@ -10,8 +10,9 @@ namespace {
 
 void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                            at::Tensor& value_cache, const at::Tensor& slot_mapping, const at::Tensor& k_scale,
-                           const at::Tensor& v_scale) {
-  const CacheWriteParams p = cache_write_params(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+                           const at::Tensor& v_scale, bool hadamard, const std::optional<at::Tensor>& k_offset) {
+  const CacheWriteParams p =
+      cache_write_params(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, hadamard, k_offset);
   check_slot_mapping_indices(slot_mapping, key_cache.size(0) * key_cache.size(1));
   cpu::reshape_and_cache(p);
 }
@@ -20,10 +21,10 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
                          const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
-                         double logits_soft_cap) {
+                         double logits_soft_cap, bool hadamard, const std::optional<at::Tensor>& k_offset) {
   const PagedAttentionParams p = paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                         cu_seqlens_q, softmax_scale, k_scale, v_scale, sliding_window,
-                                                        logits_soft_cap);
+                                                        logits_soft_cap, hadamard, k_offset);
   check_paged_attention_indices(block_tables, seq_lens, cu_seqlens_q, query.size(0), key_cache.size(1),
                                 key_cache.size(0), sliding_window);
   cpu::paged_attention(p);

@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include "../float_conversions.h"
+#include "../hadamard.h"
 #include "dtype_dispatch.h"
 #include "kernels.h"
 
@@ -61,7 +62,7 @@ struct WorkItem {
 };
 
 struct Scratch {
-  std::vector<float> query, keys, values, probs, acc, row_max, row_sum;
+  std::vector<float> query, keys, values, probs, acc, row_max, row_sum, logit_offset;
   std::vector<int> lo, hi;
 };
 
@@ -81,6 +82,11 @@ void attend(const PagedAttentionParams& p, const WorkItem& item, int kv_head, Sc
   const float v_scale = quantized ? *p.v_scale.at(kv_head) : 1.0f;
   const float logit_scale = p.softmax_scale * k_scale;
   const bool soft_cap = p.logits_soft_cap > 0.0f;
+  // The rotated recipe (docs/rotated_cache.md): queries rotated like the keys, outputs rotated back,
+  // and under a soft cap each row's q . k_offset, which softmax alone would ignore, added back.
+  const int block = hadamard_block(d_size);
+  const float* k_offset =
+      p.transform.k_offset != nullptr ? p.transform.k_offset + static_cast<int64_t>(kv_head) * d_size : nullptr;
 
   s.query.resize(static_cast<size_t>(rows) * d_size);
   s.acc.assign(static_cast<size_t>(rows) * d_size, 0.0f);
@@ -88,6 +94,7 @@ void attend(const PagedAttentionParams& p, const WorkItem& item, int kv_head, Sc
   s.row_sum.assign(rows, 0.0f);
   s.lo.resize(rows);
   s.hi.resize(rows);
+  s.logit_offset.assign(rows, 0.0f);
   s.keys.resize(static_cast<size_t>(kKeyTile) * d_size);
   s.values.resize(static_cast<size_t>(kKeyTile) * d_size);
   s.probs.resize(static_cast<size_t>(rows) * kKeyTile);
@@ -100,6 +107,8 @@ void attend(const PagedAttentionParams& p, const WorkItem& item, int kv_head, Sc
                     head * p.query_head_stride;
     float* qf = s.query.data() + static_cast<int64_t>(r) * d_size;
     for (int d = 0; d < d_size; ++d) qf[d] = Q::to_float(q[d]);
+    transform_row(qf, d_size, p.transform.hadamard, nullptr);
+    if (soft_cap && k_offset != nullptr) s.logit_offset[r] = p.softmax_scale * dot(qf, k_offset, d_size);
     const KeyRange<int> keys = visible_keys(seq_len, q_len, token, p.sliding_window);
     s.lo[r] = keys.begin;
     s.hi[r] = keys.end;
@@ -119,7 +128,7 @@ void attend(const PagedAttentionParams& p, const WorkItem& item, int kv_head, Sc
       float tile_max = -std::numeric_limits<float>::infinity();
       for (int j = j_lo; j < j_hi; ++j) {
         float logit = logit_scale * dot(qf, s.keys.data() + static_cast<int64_t>(j) * d_size, d_size);
-        if (soft_cap) logit = p.logits_soft_cap * std::tanh(logit / p.logits_soft_cap);
+        if (soft_cap) logit = p.logits_soft_cap * std::tanh((logit + s.logit_offset[r]) / p.logits_soft_cap);
         probs[j] = logit;
         tile_max = std::max(tile_max, logit);
       }
@@ -158,8 +167,12 @@ void attend(const PagedAttentionParams& p, const WorkItem& item, int kv_head, Sc
     auto* o = reinterpret_cast<typename Q::Storage*>(p.out) + (q_begin + token) * p.out_token_stride +
               head * p.out_head_stride;
     // A row that sees no keys (a decode row with seq_len 0, i.e. batch padding) outputs zeros.
-    const float out_scale = s.row_sum[r] > 0.0f ? v_scale / s.row_sum[r] : 0.0f;
-    const float* acc = s.acc.data() + static_cast<int64_t>(r) * d_size;
+    float out_scale = s.row_sum[r] > 0.0f ? v_scale / s.row_sum[r] : 0.0f;
+    float* acc = s.acc.data() + static_cast<int64_t>(r) * d_size;
+    if (p.transform.hadamard) {
+      hadamard_blocks(acc, d_size, block);
+      out_scale *= hadamard_norm(block);
+    }
     for (int d = 0; d < d_size; ++d) o[d] = Q::from_float(acc[d] * out_scale);
   }
 }

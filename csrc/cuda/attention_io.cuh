@@ -4,6 +4,7 @@
 #pragma once
 
 #include "device.cuh"
+#include "hadamard.cuh"
 #include "tiles.h"
 
 namespace fp8kv::cuda {
@@ -18,16 +19,38 @@ __device__ __forceinline__ float logit_multiplier(const PagedAttentionParams& p,
   return p.logits_soft_cap > 0.f ? m : m * kLog2e;
 }
 
-// A logit scaled by logit_multiplier, soft-capped (cap > 0) and in base 2.
-__device__ __forceinline__ float soft_capped(float x, float cap) {
-  return cap > 0.f ? cap * tanhf(x * (1.f / cap)) * kLog2e : x;
+// A logit scaled by logit_multiplier, soft-capped (cap > 0) and in base 2. `offset`: what the rotated
+// recipe's K offset took from the row's logits (softmax alone would not notice), added back before
+// the cap; -0.f (an exact no-op) for the other recipes.
+__device__ __forceinline__ float soft_capped(float x, float cap, float offset = -0.f) {
+  return cap > 0.f ? cap * tanhf((x + offset) * (1.f / cap)) * kLog2e : x;
 }
 
-// Factor of the normalized accumulator giving the output: v_scale and the FP8 decode factor.
-template <DType C>
+// Factor of the normalized accumulator giving the output: v_scale and the FP8 decode factor, and the
+// rotation's norm for the rotated recipe (the kernels rotate the output back unnormalized).
+template <DType C, int D>
 __device__ __forceinline__ float output_scale(const PagedAttentionParams& p, int kv_head) {
-  if constexpr (CacheTraits<C>::kIsFp8) return *p.v_scale.at(kv_head) * fp8_decode_factor<C>();
+  if constexpr (CacheTraits<C>::kIsFp8) {
+    const float scale = *p.v_scale.at(kv_head) * fp8_decode_factor<C>();
+    return p.transform.hadamard ? scale * hadamard_norm(hadamard_block(D)) : scale;
+  }
   return 1.f;
+}
+
+// The rotated recipe's logit offset of a query row: softmax_scale * (q' . k_offset[kv_head]) from the
+// lane's rotated elements q_rot[i] (dims dim(i)), summed over the row's lanes (`row_lanes`: the lane
+// masks that reach them); -0.f unless a soft cap needs it (see soft_capped).
+template <int kValues, int kRowLanes, typename Dim>
+__device__ __forceinline__ float logit_offset(const PagedAttentionParams& p, int kv_head, const float (&q_rot)[kValues],
+                                              Dim&& dim, const int (&row_lanes)[kRowLanes]) {
+  if (!(p.logits_soft_cap > 0.f && p.transform.k_offset != nullptr)) return -0.f;
+  const float* offset = p.transform.k_offset + static_cast<int64_t>(kv_head) * p.head_size;
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kValues; ++i) sum += q_rot[i] * __ldg(offset + dim(i));
+#pragma unroll
+  for (int l = 0; l < kRowLanes; ++l) sum += __shfl_xor_sync(0xffffffffu, sum, row_lanes[l]);
+  return p.softmax_scale * sum;
 }
 
 // A lane's share of the online softmax of its two rows (columns of S^T in the decode kernel): kTiles

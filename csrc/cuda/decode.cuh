@@ -250,7 +250,7 @@ template <DType C, int D>
 __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const uint32_t (&q_frag)[D / 16][2],
                                             SoftmaxState<D>& st, int tile_start, bool interior,
                                             const int (&lo)[2], const int (&hi)[2], float logit_multiplier,
-                                            float soft_cap, int lane) {
+                                            float soft_cap, const float (&logit_offset)[2], int lane) {
   using L = Layout<C, D>;
   constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
   const int g = lane / 4;
@@ -277,7 +277,7 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
   // edges of the rows' ranges need the mask (`interior` is uniform across the warp).
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    s[i] = soft_capped(s[i] * logit_multiplier, soft_cap);
+    s[i] = soft_capped(s[i] * logit_multiplier, soft_cap, logit_offset[i % 2]);
   }
   if (!interior) {
 #pragma unroll
@@ -404,26 +404,61 @@ __device__ __forceinline__ KernelQueryRow<C> load_query(const PagedAttentionPara
   return q;
 }
 
+// Returns the row's logit offset (see logit_offset): the rotated recipe rotates the query first, in
+// fp32. A lane holds the row's dims key_dim(t, l) for l < D / 4: l's low bits, then t (two lane bits),
+// then l's high bits (Layout).
 template <DType C, int D>
-__device__ __forceinline__ void query_operands(const KernelQueryRow<C>& q, uint32_t (&q_frag)[D / 16][2]) {
+__device__ __forceinline__ float query_operands(const PagedAttentionParams& p, int kv_head, const KernelQueryRow<C>& q,
+                                                int t, uint32_t (&q_frag)[D / 16][2]) {
+  if constexpr (CacheTraits<C>::kIsFp8) {
+    if (p.transform.hadamard) {
+      using L = Layout<C, D>;
+      constexpr int kBlock = hadamard_block(D), kLow = log2_exact(L::kKVec < kBlock ? L::kKVec : kBlock);
+      constexpr int kLaneBits = log2_exact(kBlock) - kLow < 2 ? log2_exact(kBlock) - kLow : 2;
+      float x[D / 4];
+#pragma unroll
+      for (int step = 0; step < D / 16; ++step) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float2 pair = pair_as_float2(q_frag[step][half], q.bf16);
+          x[4 * step + 2 * half] = pair.x, x[4 * step + 2 * half + 1] = pair.y;
+        }
+      }
+      hadamard_row<kBlock, kLow, kLaneBits, 0>(x);
+#pragma unroll
+      for (int l = 0; l < D / 4; ++l) x[l] = mul_rn(x[l], hadamard_norm(kBlock));
+#pragma unroll
+      for (int step = 0; step < D / 16; ++step) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int l = 4 * step + 2 * half;
+          q_frag[step][half] = q.valid ? pack_pair<CacheTraits<C>::kBf16Math>(x[l], x[l + 1]) : 0u;
+        }
+      }
+      return logit_offset(p, kv_head, x, [&](int l) { return L::key_dim(t, l); }, {1, 2});
+    }
+  }
 #pragma unroll
   for (int step = 0; step < D / 16; ++step) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) q_frag[step][half] = q.operand(q_frag[step][half]);
   }
+  return -0.f;
 }
 
-// How the lane's logits are formed and masked: the logit multiplier and soft cap, and the visible
-// positions of its two columns 2t, 2t + 1 (padding columns see nothing).
+// How the lane's logits are formed and masked: the logit multiplier, soft cap and logit offsets
+// (see soft_capped), and the visible positions of its two columns 2t, 2t + 1 (padding columns see
+// nothing). `row_offset`: query_operands' offset of the lane's own row g.
 struct LogitRule {
   float multiplier;
   float soft_cap;
+  float offset[2];
   int lo[2], hi[2];
 };
 
 template <DType C>
 __device__ __forceinline__ LogitRule logit_rule(const PagedAttentionParams& p, const CtaWork& w,
-                                                const RowSet& rows, int t) {
+                                                const RowSet& rows, int t, float row_offset) {
   LogitRule r;
   r.multiplier = logit_multiplier<C>(p, w.kv_head);
   r.soft_cap = p.logits_soft_cap;
@@ -432,8 +467,29 @@ __device__ __forceinline__ LogitRule logit_rule(const PagedAttentionParams& p, c
     const bool valid = rows[2 * t + c].query_row >= 0;
     r.lo[c] = valid ? w.lo : 0;
     r.hi[c] = valid ? w.hi : 0;
+    // Column 2t + c is the row of the lanes with g = 2t + c.
+    r.offset[c] = CacheTraits<C>::kIsFp8 ? __shfl_sync(0xffffffffu, row_offset, 4 * (2 * t + c)) : -0.f;
   }
   return r;
+}
+
+// The rotated recipe: the warp's unnormalized output columns rotated back (the warps' merge is linear,
+// so each warp's share can be). Lane (g, t) holds columns 2t, 2t + 1 at dims value_dim(g, l): acc[j][c]
+// is l = 2j and acc[j][c + 2] is l = 2j + 1; l's low bits, then g (three lane bits), then l's high bits.
+template <DType C, int D>
+__device__ __forceinline__ void rotate_output(SoftmaxState<D>& st) {
+  using L = Layout<C, D>;
+  constexpr int kBlock = hadamard_block(D), kLow = log2_exact(L::kVVec < kBlock ? L::kVVec : kBlock);
+  constexpr int kLaneBits = log2_exact(kBlock) - kLow < 3 ? log2_exact(kBlock) - kLow : 3;
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    float v[D / 8];
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) v[2 * j] = st.acc[j][c], v[2 * j + 1] = st.acc[j][c + 2];
+    hadamard_row<kBlock, kLow, kLaneBits, 2>(v);
+#pragma unroll
+    for (int j = 0; j < D / 16; ++j) st.acc[j][c] = v[2 * j], st.acc[j][c + 2] = v[2 * j + 1];
+  }
 }
 
 // Merges the warps' states through shared memory and writes each row: thread items cover kRows
@@ -449,6 +505,10 @@ __device__ __forceinline__ void merge_warps_and_write(const PagedAttentionParams
   for (int c = 0; c < 2; ++c) {
 #pragma unroll
     for (int mask = 4; mask < 32; mask <<= 1) st.row_sum[c] += __shfl_xor_sync(0xffffffffu, st.row_sum[c], mask);
+  }
+
+  if constexpr (CacheTraits<C>::kIsFp8) {
+    if (p.transform.hadamard) rotate_output<C, D>(st);
   }
 
   // acc[column][dim] of warp x in its last ring stage (free: see Staging::kMergePitch); max and sum
@@ -473,7 +533,7 @@ __device__ __forceinline__ void merge_warps_and_write(const PagedAttentionParams
   }
   __syncthreads();
 
-  const float v_scale = output_scale<C>(p, w.kv_head);
+  const float v_scale = output_scale<C, D>(p, w.kv_head);
   for (int item = threadIdx.x; item < kRows * D / 2; item += kThreads) {
     const int n = item / (D / 2);
     const int d = 2 * (item % (D / 2));
@@ -548,7 +608,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
     query = load_query<C, D>(p, rows, g, t, query_bf16, q_frag);
   };
   begin_item();
-  query_operands<C, D>(query, q_frag);
+  float row_offset = query_operands<C, D>(p, w.kv_head, query, t, q_frag);
 
   for (;;) {
     const int next = shared.next_item;
@@ -557,7 +617,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
     auto prefetch_next = [&]() {
       if (has_next) prefetch_item(p, queue, next_at, slices + (buffer ^ 1) * queue.slice_entries, &shared.seq_len[buffer ^ 1]);
     };
-    const LogitRule rule = logit_rule<C>(p, w, rows, t);
+    const LogitRule rule = logit_rule<C>(p, w, rows, t, row_offset);
     SoftmaxState<D> st;
     // The main loop: warp `warp` attends to its tiles of [w.lo, w.hi) through its own ring of kStages
     // shared-memory stages (kStages - 1 tiles in flight). It stays in the kernel body: as a function
@@ -581,7 +641,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
         read_tile<C, D>(regs, ring + (k % Stg::kStages) * Stg::kStageBytes, lane);
         const bool interior = tile_start(k) >= w.lo && tile_start(k) + kTileTokens <= w.hi;
         attend_tile<C, D>(regs, q_frag, st, tile_start(k), interior, rule.lo, rule.hi, rule.multiplier,
-                          rule.soft_cap, lane);
+                          rule.soft_cap, rule.offset, lane);
         __syncwarp();  // every lane has read the slot before it is refilled
       }
       if (my_tiles == 0) prefetch_next();
@@ -601,7 +661,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
     merge_warps_and_write<C, D>(p, ws, done_split, done, done_rows, query_bf16, g, t, warp, st, smem, shared);
     if (!has_next) break;
     if (threadIdx.x == 0) shared.next_item = ticket;
-    query_operands<C, D>(query, q_frag);
+    row_offset = query_operands<C, D>(p, w.kv_head, query, t, q_frag);
     __syncthreads();  // the merge has read the ring's last stages before they are refilled
   }
 }

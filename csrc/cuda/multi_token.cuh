@@ -61,6 +61,7 @@ struct LaneQueryRows {
   int64_t query_row[2];  // row of query/out; -1: padding
   int head[2];
   int lo[2], hi[2];      // visible cache positions [lo, hi), within the CTA's split
+  float logit_offset[2];  // the rotated recipe's (see soft_capped), set by load_query
 };
 
 // Everything a CTA knows about its work.
@@ -202,7 +203,7 @@ __device__ __forceinline__ void softmax_step(float (&s)[kKeyTiles][4], WarpState
 #pragma unroll
     for (int j = 0; j < kKeyTiles; ++j) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[j][i] = soft_capped(s[j][i] * logit_multiplier, soft_cap);
+      for (int i = 0; i < 4; ++i) s[j][i] = soft_capped(s[j][i] * logit_multiplier, soft_cap, rows.logit_offset[i / 2]);
     }
   } else {
 #pragma unroll
@@ -261,13 +262,45 @@ __device__ __forceinline__ void rescale_output(OnlineSoftmax<kTiles>& st, const 
   }
 }
 
+// A lane's share of rows g and g + 8 as the fragments hold them: dims 16 step + 8 half + 2t + e
+// (Q, A of S = Q K^T) and 8n + 2t + e (O) are, in order, value e + 2 i of the lane: the dim's lowest
+// bit is in the lane's values, the next two are t (two lane bits), the rest in its values again.
+template <int D>
+__device__ __forceinline__ void rotate_row_share(float (&x)[D / 4]) {
+  constexpr int kBlock = hadamard_block(D);
+  hadamard_row<kBlock, 1, 2, 0>(x);
+}
+
 // Q fragments (A of S = Q K^T): rows g, g + 8; k-step `step` holds dims 16 step + 2t (+1) and + 8.
+// The rotated recipe rotates each row first, in fp32, and sets its rows' logit offsets (see
+// logit_offset; -0.f otherwise).
 template <DType C, int D>
-__device__ __forceinline__ void load_query(const PagedAttentionParams& p, const LaneQueryRows& rows, int t,
+__device__ __forceinline__ void load_query(const PagedAttentionParams& p, LaneQueryRows& rows, int kv_head, int t,
                                            bool query_bf16, uint32_t (&q_frag)[D / 16][4]) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const QueryRow<CacheTraits<C>::kBf16Math> q(p, rows.query_row[r], rows.head[r], query_bf16);
+    rows.logit_offset[r] = -0.f;
+    if constexpr (CacheTraits<C>::kIsFp8) {
+      if (p.transform.hadamard) {
+        float x[D / 4];
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+          const float2 pair = pair_as_float2(q.bits(16 * (i / 2) + 8 * (i % 2) + 2 * t), q.bf16);
+          x[2 * i] = pair.x, x[2 * i + 1] = pair.y;
+        }
+        rotate_row_share<D>(x);
+#pragma unroll
+        for (int i = 0; i < D / 4; ++i) x[i] = mul_rn(x[i], hadamard_norm(hadamard_block(D)));
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+          q_frag[i / 2][2 * (i % 2) + r] = q.valid ? pack_pair<CacheTraits<C>::kBf16Math>(x[2 * i], x[2 * i + 1]) : 0u;
+        }
+        rows.logit_offset[r] = logit_offset(p, kv_head, x, [&](int v) { return 16 * (v / 4) + 8 * (v / 2 % 2) + 2 * t + v % 2; },
+                                        {1, 2});
+        continue;
+      }
+    }
 #pragma unroll
     for (int step = 0; step < D / 16; ++step) {
 #pragma unroll
@@ -286,12 +319,29 @@ __device__ __forceinline__ void sum_row_shares(OnlineSoftmax<kTiles>& st) {
   }
 }
 
+// The rotated recipe: the lane's rows of O rotated back (unnormalized: output_scale has the norm).
+template <int D>
+__device__ __forceinline__ void rotate_output(WarpState<D>& st) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float x[D / 4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) x[2 * n] = st.acc[n][2 * h], x[2 * n + 1] = st.acc[n][2 * h + 1];
+    rotate_row_share<D>(x);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) st.acc[n][2 * h] = x[2 * n], st.acc[n][2 * h + 1] = x[2 * n + 1];
+  }
+}
+
 // Writes the lane's rows g and g + 8 (see write_row): dims 8n + 2t, 8n + 2t + 1 of each n-tile.
 template <DType C, int D>
 __device__ __forceinline__ void write_rows(const PagedAttentionParams& p, const SplitWorkspace& ws, int split,
                                            const CtaWork& w, const LaneQueryRows& rows, int t, bool out_bf16,
-                                           const WarpState<D>& st) {
-  const float v_scale = output_scale<C>(p, w.kv_head);
+                                           WarpState<D>& st) {
+  const float v_scale = output_scale<C, D>(p, w.kv_head);
+  if constexpr (CacheTraits<C>::kIsFp8) {
+    if (p.transform.hadamard) rotate_output<D>(st);
+  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     if (rows.query_row[h] < 0) continue;

@@ -253,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, kStages))
   if (!cta_work<kRows, kThreads, true>(p, split, split_tokens, warp, w, rows)) return;
   const bool query_bf16 = p.query_dtype == DType::kBFloat16;  // also the output's
   uint32_t q_frag[D / 16][4];
-  load_query<C, D>(p, rows, t, query_bf16, q_frag);
+  load_query<C, D>(p, rows, w.kv_head, t, query_bf16, q_frag);
   const float multiplier = logit_multiplier<C>(p, w.kv_head);
 
   WarpState<D> st;

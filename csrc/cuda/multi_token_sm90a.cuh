@@ -285,7 +285,7 @@ __device__ __forceinline__ void consume(int consumer, const LaneQueryRows& rows,
 // query fragments, the tiles, and the epilogue.
 template <DType C, int D>
 __device__ __forceinline__ void consume_and_write(const PagedAttentionParams& p, const SplitWorkspace& ws,
-                                                  const CtaWork& w, const LaneQueryRows& rows, int consumer,
+                                                  const CtaWork& w, LaneQueryRows& rows, int consumer,
                                                   const int4* warp_ranges, int first_tile, int num_tiles,
                                                   uint32_t smem) {
   WarpgroupRange range{INT_MAX, INT_MIN, INT_MIN, INT_MAX};
@@ -298,7 +298,7 @@ __device__ __forceinline__ void consume_and_write(const PagedAttentionParams& p,
   const int t = threadIdx.x % 4;
   const bool query_bf16 = p.query_dtype == DType::kBFloat16;  // also the output's
   uint32_t q_frag[D / 16][4];
-  load_query<C, D>(p, rows, t, query_bf16, q_frag);
+  load_query<C, D>(p, rows, w.kv_head, t, query_bf16, q_frag);
   WarpState<D> st;
   consume<C, D>(consumer, rows, range, q_frag, logit_multiplier<C>(p, w.kv_head), p.logits_soft_cap, first_tile, num_tiles,
                 smem, st);

@@ -45,19 +45,20 @@ def _check_one_device(op: str, **tensors) -> None:
 
 
 @torch.library.register_fake("fp8kv::reshape_and_cache")
-def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale) -> None:
+def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, hadamard=False,
+                            k_offset=None) -> None:
     _check_one_device("fp8kv.reshape_and_cache", key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                      slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
+                      slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale, k_offset=k_offset)
 
 
 @torch.library.register_fake("fp8kv::paged_attention")
 def _paged_attention_fake(
     out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
-    k_scale, v_scale, sliding_window=-1, logits_soft_cap=0.0,
+    k_scale, v_scale, sliding_window=-1, logits_soft_cap=0.0, hadamard=False, k_offset=None,
 ) -> None:
     _check_one_device("fp8kv.paged_attention", query=query, out=out, key_cache=key_cache, value_cache=value_cache,
                       block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, k_scale=k_scale,
-                      v_scale=v_scale)
+                      v_scale=v_scale, k_offset=k_offset)
 
 
 @torch.library.register_fake("fp8kv::kv_amax")

@@ -1,15 +1,17 @@
 """`PagedAttention`: the attention layer over a paged FP8 KV cache.
 
-The module owns its layer's dequantization scales as float32 buffers `k_scale` / `v_scale` of
-shape [num_kv_heads] (a per-tensor scale is broadcast to every head). They are set once, at
-construction from a `KVCacheConfig` or when a checkpoint's state dict is loaded, and never change
-in forward.
+The module owns its layer's recipe (docs/rotated_cache.md) and dequantization scales: float32
+buffers `k_scale` / `v_scale` of shape [num_kv_heads] (a per-tensor scale is broadcast to every
+head) and, for the rotated + centred recipe, `k_offset` [num_kv_heads, head_size]. They are set
+once, at construction from a `KVCacheConfig` or when a checkpoint's state dict is loaded, and never
+change in forward.
 
 State dict names: registered under a checkpoint's attention module P (e.g. as
 `model.layers.0.self_attn.attn`), the module's own keys are `P.attn.k_scale` / `P.attn.v_scale`
 (and legacy `P.attn.kv_scale`). `map_checkpoint_scale_names(model)` makes the names checkpoints
 actually use land there: `P.k_scale` / `P.v_scale` (vLLM, llm-compressor), `P.kv_scale` (legacy),
-`P.k_proj.k_scale` / `P.v_proj.v_scale` (ModelOpt).
+`P.k_proj.k_scale` / `P.v_proj.v_scale` (ModelOpt). Those are scales of the plain recipe: a layer
+with a rotation refuses them (its scales come with its KVCacheConfig, from `load_kv_cache_config`).
 """
 
 from __future__ import annotations
@@ -22,16 +24,19 @@ from .cache import BatchMetadata, PagedKVCache
 from .checkpoint.per_rank import shard_kv_heads
 from .checkpoint.problems import CheckpointError, Problem
 from .checkpoint.scale_tensors import scale_values
-from .formats import KVCacheConfig, KVCacheDtype
+from .formats import KVCacheConfig, KVCacheDtype, default_rotation
+from .rotation import Rotation, check_head_size
 
 
 class PagedAttention(nn.Module):
     """Writes a step's new K/V into the paged cache and attends over it.
 
     num_heads, num_kv_heads: this tensor-parallel rank's query and KV heads.
-    kv_cache: a KVCacheConfig (scales from its layer `layer_idx`) or a format alone (scales 1.0
-        until a checkpoint's state dict is loaded).
+    kv_cache: a KVCacheConfig (recipe and scales from its layer `layer_idx`) or a format alone
+        (scales 1.0 until a checkpoint's state dict is loaded).
     layer_idx: which layer of the PagedKVCache this module reads and writes.
+    rotation: with a format alone, the recipe's rotation (None: the default, Rotation.HADAMARD for
+        FP8 formats); a KVCacheConfig carries its own.
     scales_calibrated_for: the format the checkpoint's scales were calibrated for (state dict
         loading converts them, e.g. x2 for an e4m3fnuz cache); tp_rank, tp_size: how the
         checkpoint's per-head scales are sliced (KV heads split evenly, or replicated when fewer
@@ -52,6 +57,7 @@ class PagedAttention(nn.Module):
         scales_calibrated_for: KVCacheDtype | str = KVCacheDtype.E4M3FN,
         tp_rank: int = 0,
         tp_size: int = 1,
+        rotation: Rotation | str | None = None,
     ):
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -62,14 +68,27 @@ class PagedAttention(nn.Module):
         self.sliding_window, self.logits_soft_cap = sliding_window, logits_soft_cap
         self.scales_calibrated_for = KVCacheDtype.parse(scales_calibrated_for)
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        k_offset = None
         if isinstance(kv_cache, KVCacheConfig):
-            self.kv_cache_dtype = kv_cache.dtype
+            if rotation is not None:
+                raise ValueError("rotation: a KVCacheConfig carries its own recipe; give one or the other")
+            self.kv_cache_dtype, self.rotation = kv_cache.dtype, kv_cache.rotation
             k_scale, v_scale = kv_cache.k_scales[layer_idx], kv_cache.v_scales[layer_idx]
+            k_offset = kv_cache.k_offset(layer_idx)
         else:
             self.kv_cache_dtype = KVCacheDtype.parse(kv_cache)
+            self.rotation = default_rotation(self.kv_cache_dtype) if rotation is None else Rotation.parse(rotation)
+            KVCacheConfig.unit_scales(self.kv_cache_dtype, 1, rotation=self.rotation)  # refuses a rotated unquantized cache
             k_scale = v_scale = (1.0,)
+        if self.rotation is Rotation.HADAMARD:
+            check_head_size(head_size)
+        if k_offset is not None and tuple(k_offset.shape) != (num_kv_heads, head_size):
+            raise ValueError(f"the KVCacheConfig's k_offsets[{layer_idx}] has shape {list(k_offset.shape)}; expected "
+                             f"[num_kv_heads, head_size] = [{num_kv_heads}, {head_size}]")
         self.register_buffer("k_scale", self._per_head("k_scale", k_scale))
         self.register_buffer("v_scale", self._per_head("v_scale", v_scale))
+        # Part of the recipe, like the rotation: it comes with the KVCacheConfig, not with state dicts.
+        self.register_buffer("k_offset", k_offset, persistent=False)
         self.register_load_state_dict_pre_hook(self._load_checkpoint_scales)
 
     def _per_head(self, name: str, values: tuple[float, ...]) -> torch.Tensor:
@@ -116,20 +135,31 @@ class PagedAttention(nn.Module):
                 batch: BatchMetadata) -> torch.Tensor:
         """query [num_tokens, num_heads, head_size], key/value [num_tokens, num_kv_heads, head_size]:
         the batch's new tokens, sequences in order. Returns [num_tokens, num_heads, head_size]."""
-        if cache.kv_cache_dtype is not self.kv_cache_dtype:
-            raise ValueError(f"PagedAttention layer {self.layer_idx} is {self.kv_cache_dtype.value} but the cache is "
-                             f"{cache.kv_cache_dtype.value}")
+        if (cache.kv_cache_dtype, cache.rotation) != (self.kv_cache_dtype, self.rotation):
+            raise ValueError(f"PagedAttention layer {self.layer_idx} is {self.kv_cache_dtype.value} with rotation "
+                             f"{self.rotation.value!r} but the cache is {cache.kv_cache_dtype.value} with rotation "
+                             f"{cache.rotation.value!r}")
         key_cache, value_cache = cache.layer(self.layer_idx)
-        ops.reshape_and_cache(key, value, key_cache, value_cache, batch.slot_mapping, self.k_scale, self.v_scale)
+        hadamard = self.rotation is Rotation.HADAMARD
+        ops.reshape_and_cache(key, value, key_cache, value_cache, batch.slot_mapping, self.k_scale, self.v_scale,
+                              hadamard, self.k_offset)
         out = torch.empty_like(query)
         ops.paged_attention(out, query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
                             batch.cu_seqlens_q, self.softmax_scale, self.k_scale, self.v_scale,
-                            self.sliding_window, self.logits_soft_cap)
+                            self.sliding_window, self.logits_soft_cap, hadamard, self.k_offset)
         return out
+
+    @property
+    def recipe(self) -> str:
+        """"plain", "rotated" or "rotated + centred" (or "centred": offsets without a rotation)."""
+        rotated = self.rotation is Rotation.HADAMARD
+        if self.k_offset is None:
+            return "rotated" if rotated else "plain"
+        return "rotated + centred" if rotated else "centred"
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_size={self.head_size}, kv_cache={self.kv_cache_dtype.value}")
+                f"head_size={self.head_size}, kv_cache={self.kv_cache_dtype.value}, recipe={self.recipe}")
 
 
 # Checkpoint names one level up (at the attention module P), relative to P: target buffer name.
@@ -155,10 +185,16 @@ def map_checkpoint_scale_names(model: nn.Module) -> nn.Module:
 
 def _parent_renamer(child_name: str):
     def rename(module, state_dict, prefix, *args) -> None:
+        child = getattr(module, child_name)
         for source, target in _PARENT_NAMES:
             tensor = state_dict.pop(prefix + source, None)
             if tensor is None:
                 continue
+            if child.rotation is not Rotation.NONE:
+                raise CheckpointError([Problem("state_dict", prefix + source, (
+                    f"is a plain-recipe scale, but {prefix}{child_name} stores K/V rotated ({child.recipe} recipe): "
+                    "its scales come with its KVCacheConfig (fp8kv.load_kv_cache_config reads the checkpoint's "
+                    "rotated-recipe scales); build it with rotation='none' to use this one"))])
             destination = f"{prefix}{child_name}.{target}"
             if destination in state_dict:
                 raise CheckpointError([Problem("state_dict", prefix + source,

@@ -17,7 +17,8 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .formats import KVCacheConfig, KVCacheDtype
+from .formats import KVCacheConfig, KVCacheDtype, default_rotation
+from .rotation import Rotation
 
 LAYOUTS = ("NHD", "HND")
 
@@ -257,8 +258,10 @@ def capacity_report(
 class PagedKVCache:
     """Per-layer K/V caches in one format and layout, with the block allocator of the sequences.
 
-    kv_cache: the format (a KVCacheDtype, its name, or a KVCacheConfig, whose dtype and layer count
-        are used; the scales belong to the attention modules).
+    kv_cache: the format (a KVCacheDtype, its name, or a KVCacheConfig, whose dtype, rotation and
+        layer count are used; the scales and offsets belong to the attention modules).
+    rotation: with a format alone, the rotation its layers are written with (None: the default,
+        Rotation.HADAMARD for FP8 formats); attention layers of another rotation are refused.
     layout: "NHD" stores [num_blocks, block_size, num_kv_heads, head_size]; "HND" stores
         [num_blocks, num_kv_heads, block_size, head_size], handed out as permuted views. The ops
         take both (they read arbitrary strides).
@@ -276,13 +279,18 @@ class PagedKVCache:
         model_dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
         layout: str = "NHD",
+        rotation: Rotation | str | None = None,
     ):
         if isinstance(kv_cache, KVCacheConfig):
             if num_layers is not None and num_layers != kv_cache.num_layers:
                 raise ValueError(f"num_layers={num_layers} but the KVCacheConfig has {kv_cache.num_layers} layers")
-            self.kv_cache_dtype, num_layers = kv_cache.dtype, kv_cache.num_layers
+            if rotation is not None:
+                raise ValueError("rotation: a KVCacheConfig carries its own recipe; give one or the other")
+            self.kv_cache_dtype, self.rotation, num_layers = kv_cache.dtype, kv_cache.rotation, kv_cache.num_layers
         else:
             self.kv_cache_dtype = KVCacheDtype.parse(kv_cache)
+            self.rotation = default_rotation(self.kv_cache_dtype) if rotation is None else Rotation.parse(rotation)
+            KVCacheConfig.unit_scales(self.kv_cache_dtype, 1, rotation=self.rotation)  # refuses a rotated unquantized cache
         if num_layers is None or num_layers <= 0:
             raise ValueError(f"num_layers must be a positive integer, got {num_layers}")
         if layout not in LAYOUTS:

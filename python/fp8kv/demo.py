@@ -32,6 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsP
 
 from .cache import bytes_per_token, capacity_report
 from .calibration import calibrate
+from .evaluate.caches import cache_name
 from .formats import KVCacheConfig, KVCacheDtype
 from .integrations.transformers import PagedCache, cache_argument, enable
 from .models import SMOLLM2_MODEL
@@ -236,11 +237,12 @@ def run_real(demo: RealDemo, device: torch.device, fmt: KVCacheDtype, *,
           "3. cache memory and capacity  4. decode speed (CUDA only)")
     print(f"{fmt.value} scales: 1.0, uncalibrated. This model's K and V (|K| up to about 20) sit inside the "
           "format's normal range, where a scale does not change the precision: calibration gains nothing here "
-          "(docs/calibration.md).")
+          f"(docs/calibration.md). The {fmt.value} cache stores K and V rotated (fp8kv's default recipe, "
+          "docs/rotated_cache.md): the same attention, less FP8 rounding error.")
     model = enable(AutoModelForCausalLM.from_pretrained(demo.checkpoint, dtype=torch.bfloat16).to(device).eval())
     num_layers = model.config.num_hidden_layers
     configs = {"bf16": KVCacheConfig.unit_scales("auto", num_layers),
-               fmt.value: KVCacheConfig.unit_scales(fmt, num_layers)}
+               cache_name(f"{fmt.value}-rotated"): KVCacheConfig.unit_scales(fmt, num_layers, rotation="hadamard")}
     text_ids = demo.tokenizer(evaluation_text(), add_special_tokens=False, verbose=False)["input_ids"]
 
     answers = _answers_section(model, demo, configs, progress)
@@ -411,15 +413,16 @@ def _unquantized() -> KVCacheConfig:
 
 
 def _calibrated(model, prompt: torch.Tensor, fmt: KVCacheDtype) -> KVCacheConfig:
-    """Per-KV-head scales calibrated on the prompt, for `fmt` as the checkpoint loader would give them."""
+    """The rotated recipe's per-KV-head scales calibrated on the prompt, for `fmt` as the checkpoint
+    loader would give them."""
     # Calibration runs the model on transformers' own cache and attention.
     model.set_attn_implementation("sdpa")
     amax = calibrate(model, [prompt], granularity="head", progress=False)
     enable(model)
     if fmt.is_e4m3:
-        return amax.scales(fmt)
+        return amax.rotated.kv_cache(fmt, "head", centred=False)
     # Scales are calibrated for e4m3; an e5m2 cache uses e4m3fn scales unchanged (scale_factor_from is 1).
-    return dataclasses.replace(amax.scales(KVCacheDtype.E4M3FN), dtype=fmt)
+    return dataclasses.replace(amax.rotated.kv_cache(KVCacheDtype.E4M3FN, "head", centred=False), dtype=fmt)
 
 
 def _random_report(runs: dict[str, Generation], forced: dict[str, Generation], fmt: KVCacheDtype,

@@ -53,16 +53,51 @@ def reduce_amax(local: torch.Tensor, granularity: str, num_kv_heads: int, group=
     A NaN anywhere makes the corresponding result NaN, whatever the backend's MAX does with NaN.
     """
     x = local.to(_collective_device(group))
-    world = dist.get_world_size(group)
     width = _common_width(x, group)
-    if granularity == "tensor" or width == num_kv_heads:
+    if granularity == "tensor":
         return _all_reduce_max(x, group).cpu()
+    layout = _head_layout(width, num_kv_heads, group)
+    if layout == "all":
+        return _all_reduce_max(x, group).cpu()
+    gathered = torch.cat(_all_gather(x, group), dim=-1)
+    if layout == "split":
+        return gathered.cpu()
+    # Head g is replicated on the world / num_kv_heads consecutive ranks starting at g * (world / num_kv_heads).
+    return gathered.unflatten(-1, (num_kv_heads, -1)).amax(dim=-1).cpu()
+
+
+def reduce_head_sums(local: torch.Tensor, num_tokens: int, num_kv_heads: int, group=None) -> tuple[torch.Tensor, int]:
+    """Per-head sums over every rank's tokens, from every rank's `local` sums [..., width] over its
+    `num_tokens` tokens; returns (a CPU tensor with width num_kv_heads, the tokens summed).
+
+    Every rank holding all heads (data parallel: each saw its own tokens) is a SUM all-reduce, and
+    the token counts add up. Otherwise every rank saw every token (tensor parallel): the ranks'
+    heads are gathered into global head order, and of a replicated head the first copy is taken
+    (its copies are sums over the same tokens).
+    """
+    x = local.to(_collective_device(group))
+    layout = _head_layout(_common_width(x, group), num_kv_heads, group)
+    if layout == "all":
+        count = torch.tensor([num_tokens], dtype=torch.int64, device=x.device)
+        dist.all_reduce(x, group=group)
+        dist.all_reduce(count, group=group)
+        return x.cpu(), int(count.item())
+    gathered = torch.cat(_all_gather(x, group), dim=-1)
+    if layout == "split":
+        return gathered.cpu(), num_tokens
+    return gathered.unflatten(-1, (num_kv_heads, -1))[..., 0].cpu(), num_tokens
+
+
+def _head_layout(width: int, num_kv_heads: int, group) -> str:
+    """How the ranks hold the KV heads, each `width` of them: 'all' (every rank all heads), 'split'
+    (num_kv_heads / world_size each) or 'replicated' (one head each, on world / num_kv_heads ranks)."""
+    world = dist.get_world_size(group)
+    if width == num_kv_heads:
+        return "all"
     if width * world == num_kv_heads:
-        return torch.cat(_all_gather(x, group), dim=-1).cpu()
+        return "split"
     if width == 1 and world % num_kv_heads == 0:
-        # Head g is replicated on the world / num_kv_heads consecutive ranks starting at g * (world / num_kv_heads).
-        gathered = torch.cat(_all_gather(x, group), dim=-1)
-        return gathered.unflatten(-1, (num_kv_heads, world // num_kv_heads)).amax(dim=-1).cpu()
+        return "replicated"
     raise ValueError(
         f"each of the {world} ranks observed {width} KV heads, which does not split num_kv_heads={num_kv_heads} "
         "across ranks (expected num_kv_heads / world_size heads per rank, one replicated head per rank, or all heads)"

@@ -1,8 +1,9 @@
-"""KV cache formats and the object that carries a format together with its scales.
+"""KV cache formats and the object that carries a format together with its recipe and scales.
 
-`KVCacheDtype` names the storage format of the cache; `KVCacheConfig` pairs it with the per-layer
-K/V dequantization scales (stored `q = satfinite_rne(x / s)`, read `x ~ q * s`). Everything that
-builds or reads a cache takes one `KVCacheConfig`, never a format and scales separately.
+`KVCacheDtype` names the storage format of the cache; `KVCacheConfig` pairs it with the recipe (the
+rotation and K offsets of docs/rotated_cache.md) and the per-layer K/V dequantization scales of the
+stored values (stored `q = satfinite_rne(x / s)`, read `x ~ q * s`). Everything that builds or reads
+a cache takes one `KVCacheConfig`, never a format, a recipe and scales separately.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from .rotation import Rotation
 
 
 def platform_uses_fnuz() -> bool:
@@ -158,13 +161,34 @@ def _float32_scales(name: str, layers) -> tuple[tuple[float, ...], ...]:
     return tuple(result)
 
 
+def _float32_offsets(layers, num_layers: int) -> tuple[tuple[tuple[float, ...], ...], ...]:
+    """Per-layer K offsets [num_kv_heads][head_size] as float32-exact Python floats, checked finite."""
+    result = []
+    for layer, offsets in enumerate(layers):
+        values = torch.as_tensor(offsets, dtype=torch.float32)
+        if values.dim() != 2 or values.numel() == 0:
+            raise ValueError(f"KVCacheConfig: k_offsets[{layer}] must be [num_kv_heads, head_size], got shape "
+                             f"{list(values.shape)}")
+        if not bool(torch.isfinite(values).all()):
+            raise ValueError(f"KVCacheConfig: k_offsets[{layer}] has values that are not finite")
+        result.append(tuple(tuple(row) for row in values.tolist()))
+    if len(result) != num_layers:
+        raise ValueError(f"KVCacheConfig: k_offsets has {len(result)} layers but the scales have {num_layers}")
+    return tuple(result)
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
-    """A cache format with its per-layer K/V dequantization scales. Immutable.
+    """A cache format with its recipe and per-layer K/V dequantization scales. Immutable.
 
     k_scales[layer] / v_scales[layer]: one float (per tensor) or num_kv_heads floats (per KV head of
-    this tensor-parallel rank), exactly representable in float32. An unquantized cache carries
-    scales of 1.0 that the ops ignore.
+    this tensor-parallel rank), exactly representable in float32: the scales of the values the cache
+    stores (rotated ones under a rotation). An unquantized cache carries scales of 1.0 that the ops
+    ignore.
+    rotation: Rotation.HADAMARD (the default for FP8 formats) or Rotation.NONE (the plain recipe, the
+        only one for an unquantized cache). None takes the default.
+    k_offsets: None, or per layer [num_kv_heads][head_size] floats subtracted from K (in the rotated
+        basis under a rotation) before it is stored: the rotated + centred recipe. FP8 formats only.
     source: where the scales came from, for reports.
     """
 
@@ -172,6 +196,8 @@ class KVCacheConfig:
     k_scales: tuple[tuple[float, ...], ...]
     v_scales: tuple[tuple[float, ...], ...]
     source: str = "given"
+    rotation: Rotation | None = None
+    k_offsets: tuple[tuple[tuple[float, ...], ...], ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "dtype", KVCacheDtype.parse(self.dtype))
@@ -183,16 +209,34 @@ class KVCacheConfig:
             )
         if not self.k_scales:
             raise ValueError("KVCacheConfig: needs scales for at least one layer")
+        rotation = default_rotation(self.dtype) if self.rotation is None else Rotation.parse(self.rotation)
+        if rotation is not Rotation.NONE and not self.dtype.is_fp8:
+            raise ValueError(f"KVCacheConfig: an unquantized cache stores K/V as they are; rotation must be 'none', "
+                             f"got {rotation.value!r}")
+        object.__setattr__(self, "rotation", rotation)
+        if self.k_offsets is not None:
+            if not self.dtype.is_fp8:
+                raise ValueError("KVCacheConfig: k_offsets apply to FP8 caches only")
+            object.__setattr__(self, "k_offsets", _float32_offsets(self.k_offsets, len(self.k_scales)))
 
     @classmethod
-    def unit_scales(cls, dtype: KVCacheDtype | str, num_layers: int, source: str = "unit scales") -> KVCacheConfig:
+    def unit_scales(cls, dtype: KVCacheDtype | str, num_layers: int, source: str = "unit scales",
+                    rotation: Rotation | str | None = None) -> KVCacheConfig:
         """Scale 1.0 for every layer: right for unquantized and e5m2 caches, a fallback for e4m3."""
         ones = ((1.0,),) * num_layers
-        return cls(KVCacheDtype.parse(dtype), ones, ones, source)
+        return cls(KVCacheDtype.parse(dtype), ones, ones, source, rotation)
 
     @property
     def num_layers(self) -> int:
         return len(self.k_scales)
+
+    @property
+    def recipe(self) -> str:
+        """"plain", "rotated" or "rotated + centred" (or "centred" for offsets without a rotation)."""
+        rotated = self.rotation is Rotation.HADAMARD
+        if self.k_offsets is None:
+            return "rotated" if rotated else "plain"
+        return "rotated + centred" if rotated else "centred"
 
     def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return self.dtype.torch_dtype(model_dtype)
@@ -204,3 +248,14 @@ class KVCacheConfig:
     def v_scale(self, layer: int, device: torch.device | str | None = None) -> torch.Tensor:
         """A new float32 tensor [1] or [num_kv_heads] holding layer `layer`'s value scales."""
         return torch.tensor(self.v_scales[layer], dtype=torch.float32, device=device)
+
+    def k_offset(self, layer: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+        """A new float32 tensor [num_kv_heads, head_size] of layer `layer`'s K offset, or None."""
+        if self.k_offsets is None:
+            return None
+        return torch.tensor(self.k_offsets[layer], dtype=torch.float32, device=device)
+
+
+def default_rotation(dtype: KVCacheDtype) -> Rotation:
+    """The recipe's rotation when none is asked for: the Hadamard rotation for FP8 formats."""
+    return Rotation.HADAMARD if dtype.is_fp8 else Rotation.NONE

@@ -34,16 +34,18 @@ _TENSORS = {
     "block_tables": "an int32 tensor [num_seqs, max_blocks_per_seq]",
     "seq_lens": "an int32 tensor [num_seqs], e.g. torch.tensor(lengths, dtype=torch.int32)",
     "cu_seqlens_q": "None or an int32 tensor [num_seqs + 1]",
+    "k_offset": "None or a float32 tensor [num_kv_heads, head_size]",
     "k_amax": "a float32 tensor [1] or [num_kv_heads]",
     "v_amax": "a float32 tensor [1] or [num_kv_heads]",
 }
 
 
 def _check_tensors(op: str, **arguments) -> None:
-    """Raises TypeError naming the first of `arguments` that is not a tensor (None only for cu_seqlens_q).
+    """Raises TypeError naming the first of `arguments` that is not a tensor (None only for cu_seqlens_q
+    and k_offset).
     A type check per argument, no data read: cheap enough for every decode step."""
     for name, value in arguments.items():
-        if not isinstance(value, torch.Tensor) and not (value is None and name == "cu_seqlens_q"):
+        if not isinstance(value, torch.Tensor) and not (value is None and name in ("cu_seqlens_q", "k_offset")):
             raise TypeError(f"fp8kv.ops.{op}: {name} must be {_TENSORS[name]}, got {type(value).__name__}")
 
 
@@ -55,6 +57,8 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor,
     v_scale: torch.Tensor,
+    hadamard: bool = False,
+    k_offset: torch.Tensor | None = None,
 ) -> None:
     """Quantizes `key`/`value` rows and writes them to their cache slots.
 
@@ -66,10 +70,14 @@ def reshape_and_cache(
         a negative slot skips the token.
     k_scale, v_scale: float32 [1] or [num_kv_heads] dequantization scales: stores
         saturate_rne(x / scale).
+    hadamard, k_offset: the rotated recipe (docs/rotated_cache.md), FP8 caches only: rows are
+        rotated by the block Hadamard matrix, and K minus k_offset (float32 [num_kv_heads,
+        head_size], in the rotated basis) is stored. The cache must be read with the same values.
     """
     _check_tensors("reshape_and_cache", key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                   slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
-    torch.ops.fp8kv.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+                   slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale, k_offset=k_offset)
+    torch.ops.fp8kv.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, hadamard,
+                                      k_offset)
 
 
 def paged_attention(
@@ -85,6 +93,8 @@ def paged_attention(
     v_scale: torch.Tensor,
     sliding_window: int = -1,
     logits_soft_cap: float = 0.0,
+    hadamard: bool = False,
+    k_offset: torch.Tensor | None = None,
 ) -> None:
     """Attention of `query` over the paged cache, written into `out`.
 
@@ -98,14 +108,15 @@ def paged_attention(
     k_scale, v_scale: float32 [1] or [num_kv_heads], read on the device.
     sliding_window: -1, or w > 0: a query at position p sees positions > p - w.
     logits_soft_cap: 0, or c > 0: logits become c * tanh(logits / c).
+    hadamard, k_offset: the recipe the cache was written with (see reshape_and_cache).
     A decode row whose sequence has seq_len 0 (batch padding) gets zeros.
     """
     _check_tensors("paged_attention", out=out, query=query, key_cache=key_cache, value_cache=value_cache,
                    block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, k_scale=k_scale,
-                   v_scale=v_scale)
+                   v_scale=v_scale, k_offset=k_offset)
     torch.ops.fp8kv.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
-        k_scale, v_scale, sliding_window, logits_soft_cap,
+        k_scale, v_scale, sliding_window, logits_soft_cap, hadamard, k_offset,
     )
 
 

@@ -3,13 +3,16 @@
     python -m pytest -q tests/benchmarks
 
 Covered: shape tables and byte/FLOP counts (against independent arithmetic and brute-force sums),
-the random paged caches (poisoned tails, HND storage, gathers, mixed batches), the float32 reference
-(against a float64 loop), SDPA in each form with its causal alignment, the column glue run through
-fp8kv's CPU kernels (attention within tolerance, cache bytes identical to the PyTorch quantize path,
-maxima exact), the measuring harness (failures recorded per column, graph outputs poisoned and
+the random paged caches (poisoned tails, HND storage, gathers, mixed batches), their rotated +
+centred copies (the recipe's parameters against float64, the contract's bytes, the same poisoned
+tails, the values mapped back), the float32 reference (against a float64 loop), SDPA in each form with
+its causal alignment, the column glue run through fp8kv's CPU kernels (attention within tolerance of
+each column's own reference, cache bytes identical to the PyTorch quantize path or, rotated, to the
+contract's, maxima exact), the measuring harness (failures recorded per column, graph outputs poisoned and
 checked), FlashInfer's page description, PASS/MISS judgement on synthetic rows, JSON + PNG output,
 and whole runs of every benchmark's main() with CUDA's timing calls replaced by host clocks
-(bench_generate: a tiny model on the CPU, with its host profile).
+(bench_generate: a tiny model on the CPU, with its host profile), also with an fp8kv that refuses the
+rotated recipe (its columns record why, the plain ones still run).
 """
 
 from __future__ import annotations
@@ -185,6 +188,98 @@ def test_concatenated_caches_hold_each_sequence():
             got = gathered_by_loop(getattr(both, name), both.block_tables[rows_of_part, :width], seq_len, 1.0)
             assert torch.equal(got, want)
     assert both.block_tables[2:, 1:].eq(0).all()  # padding past a sequence's last page
+
+
+def test_cached_slots_follow_the_block_tables():
+    parts = [small_cache(batch=2, seq_len=37, seed=1), small_cache(batch=3, seq_len=5, seed=2)]
+    for cache in (parts[0], cases.concatenate_caches(parts)):
+        want = [int(cache.block_tables[b, pos // cache.block_size]) * cache.block_size + pos % cache.block_size
+                for b in range(cache.block_tables.shape[0]) for pos in range(int(cache.seq_lens[b]))]
+        assert cases.cached_slots(cache).tolist() == want
+
+
+def centred_recipe_float64(key, value):
+    """The rotated + centred recipe from its definition, in float64 with the Hadamard matrix written out."""
+    from rotated_reference import hadamard_matrix  # imports fp8kv, which the tests without it do without
+
+    h = hadamard_matrix(key.shape[-1])
+    rotated_key, rotated_value = key.double() @ h, value.double() @ h
+    mu = rotated_key.mean(0)
+    return cases.CentredRecipe(((rotated_key - mu).abs().amax() / 448).view(1),
+                               (rotated_value.abs().amax() / 448).view(1), mu)
+
+
+def contract_codes(rows, scale, offset=None):
+    """uint8 codes the rotated recipe specifies for rows [n, H, D] (tests/rotated_reference.py)."""
+    from reference import FORMAT_BY_NAME
+    from rotated_reference import stored_rotated
+
+    return stored_rotated(rows, scale, FORMAT_BY_NAME["e4m3fn"], offset)
+
+
+@needs_fp8kv
+@pytest.mark.parametrize("chunk", [cases.FLOAT32_CHUNK, 16 * 3 * 48])  # one chunk; chunks of 16 tokens
+def test_centred_recipe_against_float64(monkeypatch, chunk):
+    monkeypatch.setattr(cases, "FLOAT32_CHUNK", chunk)
+    gen = torch.Generator(CPU).manual_seed(11)
+    shift = torch.randn(3, 48, generator=gen)  # a shared offset per head and channel, as real keys have
+    key = (torch.randn(100, 3, 48, generator=gen) + shift).to(torch.bfloat16)
+    value = torch.randn(100, 3, 48, generator=gen).to(torch.bfloat16)
+    assert_recipe_of(cases.centred_recipe(key, value), key, value)
+
+
+def assert_recipe_of(got, key, value):
+    """got (a CentredRecipe, or a cache or case that holds one) is the recipe of key/value: float32 [1]
+    scales and a contiguous float32 [H, D] offset, within float32 rounding of float64's."""
+    want = centred_recipe_float64(key, value)
+    assert got.k_offset.dtype == torch.float32 and got.k_offset.shape == key.shape[1:] and got.k_offset.is_contiguous()
+    torch.testing.assert_close(got.k_offset.double(), want.k_offset, rtol=0, atol=1e-5)
+    for scale, wanted in ((got.k_scale, want.k_scale), (got.v_scale, want.v_scale)):
+        assert scale.dtype == torch.float32 and scale.shape == (1,)
+        torch.testing.assert_close(scale.double(), wanted, rtol=1e-5, atol=0)
+
+
+def mixed_cache():
+    return cases.concatenate_caches([small_cache(batch=2, seq_len=37, seed=1), small_cache(batch=3, seq_len=5, seed=2)])
+
+
+@needs_fp8kv
+@pytest.mark.parametrize("plain_of", [small_cache, mixed_cache], ids=["one group", "mixed"])
+def test_rotated_copy_stores_the_plain_kv_with_the_recipe(plain_of):
+    plain = plain_of()
+    rotated = cases.rotated_copy(ops, plain)
+    assert rotated.hadamard and not plain.hadamard and plain.k_offset is None
+    assert torch.equal(rotated.block_tables, plain.block_tables) and torch.equal(rotated.seq_lens, plain.seq_lens)
+    for got, was in ((rotated.key_nhd, plain.key_nhd), (rotated.value_nhd, plain.value_nhd)):
+        assert torch.equal(got.view(torch.uint8) == cases.NAN_CODE, was.view(torch.uint8) == cases.NAN_CODE)
+    for nhd, hnd in ((rotated.key_nhd, rotated.key_hnd), (rotated.value_nhd, rotated.value_hnd)):
+        assert torch.equal(hnd.view(torch.uint8), nhd.view(torch.uint8)) and hnd.permute(0, 2, 1, 3).is_contiguous()
+    slots = cases.cached_slots(plain)
+    key, value = (cases.dequantized_rows(codes, slots, scale)
+                  for codes, scale in ((plain.key_nhd, plain.k_scale), (plain.value_nhd, plain.v_scale)))
+    assert_recipe_of(rotated, key, value)
+    for codes, rows, scale, offset in ((rotated.key_nhd, key, rotated.k_scale, rotated.k_offset),
+                                       (rotated.value_nhd, value, rotated.v_scale, None)):
+        stored = codes.view(torch.uint8).view(-1, *codes.shape[2:])[slots]
+        assert torch.equal(stored, contract_codes(rows, scale, offset))
+
+
+@needs_fp8kv
+def test_original_basis_maps_the_rotated_codes_back():
+    from rotated_reference import hadamard_matrix
+
+    plain = small_cache()
+    rotated = cases.rotated_copy(ops, plain)
+    key, value = cases.original_basis(rotated, rotated.block_tables, 37)
+    h = hadamard_matrix(16)
+    stored_key = gathered_by_loop(rotated.key_nhd, rotated.block_tables, 37, float(rotated.k_scale))
+    stored_value = gathered_by_loop(rotated.value_nhd, rotated.block_tables, 37, float(rotated.v_scale))
+    torch.testing.assert_close(key.double(), (stored_key.double() + rotated.k_offset.double()[:, None]) @ h,
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(value.double(), stored_value.double() @ h, rtol=1e-5, atol=1e-6)
+    # The same K/V as the plain cache, up to e4m3's rounding of the rotated values (<= 2^-4 relative).
+    for mapped, codes, scale in ((key, plain.key_nhd, cases.K_SCALE), (value, plain.value_nhd, cases.V_SCALE)):
+        assert common.relative_error(mapped, gathered_by_loop(codes, plain.block_tables, 37, scale)) < 2**-4
 
 
 def reference_float64(query, key, value, scale):
@@ -409,14 +504,63 @@ def test_decode_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path, capsys):
     assert [r["label"] for r in payload["rows"]] == [s.label for s in shapes]
     for row in payload["rows"]:
         cols = row["columns"]
-        for name in ("fp8kv e4m3 NHD", "fp8kv e4m3 HND", "fp8kv bf16 cache", "dequant+SDPA", "SDPA flash"):
+        for name in ("fp8kv e4m3 NHD", "fp8kv e4m3 HND", *decode.ROTATED_COLUMNS, "fp8kv bf16 cache", "dequant+SDPA",
+                     "SDPA flash"):
             assert cols[name]["rel_err"] < decode.MAX_REL_ERR, (name, cols[name])
             assert cols[name]["graph"]["rel_err"] < decode.MAX_REL_ERR and cols[name]["graph"]["reps"] >= 2
         assert "error" in cols["SDPA cudnn"]  # no cuDNN on CPU: recorded, the others ran
         assert row["summary"]["sdpa_best"].startswith("SDPA ") and row["summary"]["fp8kv_graph_us"] > 0
         assert row["targets"]["err<=1e-2"] is True and row["targets"]["<=FI/1.1"] is None
+        assert_rotated_judged(row, decode.ROTATED_COLUMNS, "rot+c<=1.03xplain", "rot+c_err<=1e-2")
     assert ("SDPA flash expanded" in payload["rows"][0]["columns"]) and ("SDPA flash expanded" not in payload["rows"][1]["columns"])
     assert "FlashInfer needs CUDA" in printed and "SDPA cudnn" in printed and "targets" in printed
+    assert "rot+c us" in printed and "rot+c<=1.03xplain:" in printed
+    assert ["fp8kv e4m3 rotated+centred (faster storage)", "@rotated_best"] in payload["plot"]["series"]
+
+
+def assert_rotated_judged(row, names, ratio_target, correct_target):
+    """The rotated + centred columns ran and were judged: the faster storage by graph time, its ratio to
+    the plain recipe's graph time, its correctness target passed."""
+    s = row["summary"]
+    assert s["rotated_best"] in names
+    assert s["rotated_graph_us"] == min(row["columns"][n]["graph"]["median_us"] for n in names)
+    assert s["rotated_vs_plain"] == pytest.approx(s["rotated_graph_us"] / s["fp8kv_graph_us"])
+    assert row["targets"][ratio_target] in (True, False) and row["targets"][correct_target] is True
+
+
+class RefusedRotation:
+    """fp8kv's ops where they refuse the rotated recipe (its CUDA kernels, until they exist)."""
+
+    def __getattr__(self, name):
+        return getattr(ops, name)
+
+    @staticmethod
+    def reshape_and_cache(*args, hadamard=False, **kwargs):
+        if hadamard:
+            raise RuntimeError("reshape_and_cache: the rotated recipe is not supported on this device")
+        ops.reshape_and_cache(*args, **kwargs)
+
+
+@needs_fp8kv
+@pytest.mark.parametrize("module,rotated_columns,shapes", [
+    (decode, decode.ROTATED_COLUMNS, [decode.DecodeShape(TINY, 2, 64)]),
+    (prefill, prefill.ROTATED_COLUMNS, [prefill.PrefillShape("verify", (prefill.Sequences(3, 4, 20),), TINY)]),
+    (write, write.ROTATED_COLUMNS, [write.WriteShape(96, TINY, 8)]),
+], ids=["decode", "prefill", "write"])
+def test_main_with_the_rotated_recipe_refused(cpu_as_cuda, monkeypatch, tmp_path, capsys, module, rotated_columns,
+                                              shapes):
+    monkeypatch.setattr(common, "load_fp8kv", lambda require_cuda=True: (RefusedRotation(), ops_reason))
+    monkeypatch.setattr(module, "default_shapes", lambda: shapes)
+    (row,) = run_main(module, monkeypatch, tmp_path)["rows"]
+    printed = capsys.readouterr().out
+    for name in rotated_columns:
+        assert "not supported on this device" in row["columns"][name]["error"]
+        assert f"{row['label']} / {name}: RuntimeError" in printed
+    plain = [n for n in row["columns"] if n.startswith("fp8kv") and n not in rotated_columns]
+    assert plain and all("median_us" in row["columns"][n] for n in plain)
+    assert row["summary"]["rotated_best"] is None and row["summary"]["fp8kv_graph_us"] > 0
+    assert {v for k, v in row["targets"].items() if k.startswith("rot+c")} == {None}
+    assert row["targets"].get("err<=1e-2", row["targets"].get("exact")) is True  # the plain recipe still judged
 
 
 @needs_fp8kv
@@ -428,10 +572,12 @@ def test_prefill_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path):
     monkeypatch.setattr(prefill, "default_shapes", lambda: shapes)
     payload = run_main(prefill, monkeypatch, tmp_path)
     for row in payload["rows"]:
-        for name in (*prefill.FP8KV_COLUMNS, "SDPA flash", "SDPA default expanded"):
+        for name in (*prefill.FP8KV_COLUMNS, *prefill.ROTATED_COLUMNS, "SDPA flash", "SDPA default expanded"):
             assert row["columns"][name]["rel_err"] < prefill.MAX_REL_ERR, (name, row["columns"][name])
             assert row["columns"][name]["graph"]["rel_err"] < prefill.MAX_REL_ERR
         assert row["targets"]["err<=1e-2"] is True
+        assert_rotated_judged(row, prefill.ROTATED_COLUMNS, "rot+c<=1.05xplain", "rot+c_err<=1e-2")
+    assert ["fp8kv e4m3 rotated+centred (faster storage)", "@rotated_best"] in payload["plot"]["series"]
     verify = payload["rows"][1]
     assert verify["summary"]["decode_best"] in prefill.DECODE_COLUMNS
     assert verify["targets"]["<=1.1xdecode"] in (True, False)
@@ -443,9 +589,12 @@ def test_write_and_amax_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path):
     monkeypatch.setattr(write, "default_shapes", lambda: [write.WriteShape(96, TINY, 8), write.WriteShape(96, TINY, 8, True)])
     payload = run_main(write, monkeypatch, tmp_path)
     for row in payload["rows"]:
+        assert set(write.ROTATED_COLUMNS) < set(row["columns"])
         for col in row["columns"].values():
             assert col["mismatched_bytes"] == 0 and col["graph"]["mismatched_bytes"] == 0, col
-        assert row["targets"]["exact"] is True
+        assert row["targets"]["exact"] is True and row["summary"]["rotated_mismatched_bytes"] == 0
+        assert_rotated_judged(row, write.ROTATED_COLUMNS, "rot+c<=1.15xplain", "rot+c_exact")
+    assert [write.ROTATED_COLUMNS[0]] * 2 in payload["plot"]["series"]
     monkeypatch.setattr(amax, "default_shapes", lambda: [amax.AmaxShape(64, p, TINY) for p in (False, True)])
     payload = run_main(amax, monkeypatch, tmp_path)
     for row in payload["rows"]:
@@ -514,8 +663,26 @@ def test_decode_column_matches_reference(layout, hq, hkv):
     shape = decode.DecodeShape(cases.Model("test", hq, hkv, 32), 3, 45, block_size=8)
     case = decode.make_case(shape, CPU, seed=4)
     ref = decode.reference_output(case)
-    run = decode.fp8kv_column(ops, case, *case.cache.layout(layout), case.cache.k_scale, case.cache.v_scale)
+    run = decode.fp8kv_e4m3_column(ops, case, case.cache, layout)
     assert common.relative_error(run(), ref) < decode.MAX_REL_ERR
+
+
+# The rotated copy re-quantizes the plain cache's values in another basis: the same attention up to
+# that rounding (e4m3: up to 2^-4 relative per value, about 3% in norm, reaching the output through V
+# and the logits: 3-4% measured). A wrong basis, scale or offset gives errors of order 1.
+SAME_KV_REL_ERR = 0.1
+
+
+@needs_fp8kv
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("hq,hkv,head", [(8, 2, 32), (4, 4, 64), (4, 1, 48)])
+def test_decode_rotated_column_matches_its_reference(layout, hq, hkv, head):
+    shape = decode.DecodeShape(cases.Model("test", hq, hkv, head), 3, 45, block_size=8)
+    case = decode.make_case(shape, CPU, seed=4)
+    rotated = cases.RotatedCopy(ops, case.cache, lambda cache: decode.reference_output(case, cache))
+    out = decode.fp8kv_e4m3_column(ops, case, rotated.cache, layout)()
+    assert rotated.check(out)["rel_err"] < decode.MAX_REL_ERR
+    assert common.relative_error(out, decode.reference_output(case)) < SAME_KV_REL_ERR
 
 
 @needs_fp8kv
@@ -534,24 +701,56 @@ def test_prefill_columns_match_reference(layout, kind, groups):
     case = prefill.make_case(shape, CPU, seed=6)
     ref = case.reference_rows()
     assert ref.shape[0] == sum(b * q for b, q, _ in groups) == case.query.shape[0]
-    out = prefill.fp8kv_column(ops, case, layout)()
+    out = prefill.fp8kv_column(ops, case, case.cache, layout)()
     assert common.relative_error(out, ref) < prefill.MAX_REL_ERR
     if kind == "verify":
-        decode_out = prefill.fp8kv_column(ops, case, layout, decode=True)()
+        decode_out = prefill.fp8kv_column(ops, case, case.cache, layout, decode=True)()
         assert common.relative_error(decode_out, case.groups[0].batched(ref)[:, :, -1]) < prefill.MAX_REL_ERR
+    rotated = cases.RotatedCopy(ops, case.cache, case.reference_rows)
+    rotated_out = prefill.fp8kv_column(ops, case, rotated.cache, layout)()
+    assert rotated.check(rotated_out)["rel_err"] < prefill.MAX_REL_ERR
+    assert common.relative_error(rotated_out, ref) < SAME_KV_REL_ERR
+
+
+@pytest.fixture(params=[False, True], ids=["contiguous", "fused QKV"])
+def write_case(request):
+    return write.make_case(write.WriteShape(200, TINY, block_size=8, fused_qkv=request.param), CPU, seed=7)
+
+
+def empty_caches(case, layout):
+    return tuple(write.empty_cache(case.shape, case.expected_key.shape[0], CPU, layout) for _ in range(2))
 
 
 @needs_fp8kv
-@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-def test_cache_write_bytes_equal_torch_path(fused, layout):
-    shape = write.WriteShape(200, TINY, block_size=8, fused_qkv=fused)
-    case = write.make_case(shape, CPU, seed=7)
+def test_cache_write_bytes_equal_torch_path(write_case, layout):
+    case = write_case
     codes = case.expected_key.view(torch.uint8)
     assert int((codes & 0x7F == 0x7E).sum()) > 0  # some values saturated to +-448
-    key_cache, value_cache = (write.empty_cache(shape, case.expected_key.shape[0], CPU, layout) for _ in range(2))
+    key_cache, value_cache = empty_caches(case, layout)
     ops.reshape_and_cache(case.key, case.value, key_cache, value_cache, case.slot_mapping, case.k_scale, case.v_scale)
-    assert write.mismatch_check(case, key_cache, value_cache)(None) == {"mismatched_bytes": 0}
+    assert write.mismatch_check(case, key_cache, value_cache) == {"mismatched_bytes": 0}
+
+
+@needs_fp8kv
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_rotated_cache_write_bytes_are_the_contracts(write_case, layout):
+    case = write_case
+    rotated = write.rotated_case(ops, case)
+    assert_recipe_of(rotated, case.key, case.value)
+    slots = case.slot_mapping
+    for expected, rows, scale, offset in ((rotated.expected_key, case.key, rotated.k_scale, rotated.k_offset),
+                                          (rotated.expected_value, case.value, rotated.v_scale, None)):
+        written = expected.view(torch.uint8).view(-1, *expected.shape[2:])
+        assert torch.equal(written[slots], contract_codes(rows, scale, offset))
+        untouched = torch.ones(written.shape[0], dtype=torch.bool)
+        untouched[slots] = False
+        assert bool((written[untouched] == write.EMPTY_CACHE_BYTE).all())
+    key_cache, value_cache = empty_caches(case, layout)
+    ops.reshape_and_cache(case.key, case.value, key_cache, value_cache, slots, rotated.k_scale, rotated.v_scale,
+                          hadamard=True, k_offset=rotated.k_offset)
+    assert write.mismatch_check(rotated, key_cache, value_cache) == {"mismatched_bytes": 0}
+    assert write.mismatch_check(case, key_cache, value_cache)["mismatched_bytes"] > 0  # not the plain bytes
 
 
 def test_cache_write_check_counts_mismatches():
@@ -559,7 +758,7 @@ def test_cache_write_check_counts_mismatches():
     case = write.make_case(shape, CPU, seed=8)
     key_cache, value_cache = case.expected_key.clone(), case.expected_value.clone()
     key_cache.view(torch.uint8)[0, 0, 0, :3] ^= 1
-    assert write.mismatch_check(case, key_cache, value_cache)(None) == {"mismatched_bytes": 3}
+    assert write.mismatch_check(case, key_cache, value_cache) == {"mismatched_bytes": 3}
 
 
 @needs_fp8kv
@@ -593,13 +792,23 @@ def test_flashinfer_page_description():
 CEILINGS = {"copy_tb_s": 3.0, "read_tb_s": 3.0}
 
 
-def synthetic_decode_row(shape, fp8_graph_us, sdpa_us, fi_us=None, err=2e-3, fp8_launch_extra_us=5.0):
-    """A row as measure_shape() leaves it: fp8kv NHD faster than HND, SDPA's expanded form fastest."""
+NOT_RUN = {"rot+c<=1.03xplain": None, "rot+c_err<=1e-2": None}  # decode's rotated targets, no rotated column
+
+
+def synthetic_decode_row(shape, fp8_graph_us, sdpa_us, fi_us=None, err=2e-3, fp8_launch_extra_us=5.0,
+                         rotated_graph_us=None, rotated_err=2e-3):
+    """A row as measure_shape() leaves it: fp8kv NHD faster than HND, SDPA's expanded form fastest;
+    with rotated_graph_us, the rotated + centred columns, HND the faster (by graph time; NHD launches
+    faster)."""
     timing = lambda us, rel_err: {"median_us": us + fp8_launch_extra_us, "rel_err": rel_err,
                                   "graph": {"median_us": us, "rel_err": rel_err}}
     cols = {"fp8kv e4m3 NHD": timing(fp8_graph_us, err), "fp8kv e4m3 HND": timing(fp8_graph_us * 1.1, err),
             "SDPA flash": {"median_us": sdpa_us * 1.2, "rel_err": 1e-3, "graph": {"error": "x"}},
             "SDPA flash expanded": {"median_us": sdpa_us + 3, "rel_err": 1e-3, "graph": {"median_us": sdpa_us}}}
+    if rotated_graph_us is not None:
+        nhd, hnd = decode.ROTATED_COLUMNS
+        cols[nhd] = timing(rotated_graph_us * 1.1, rotated_err) | {"median_us": rotated_graph_us * 0.9}
+        cols[hnd] = timing(rotated_graph_us, rotated_err)
     if fi_us is not None:
         cols["FlashInfer cuda-core NHD"] = {"median_us": fi_us, "rel_err": 1e-3}
     for name, col in cols.items():
@@ -635,7 +844,7 @@ def test_decode_targets_large(tb_s, sdpa_ratio, fi_ratio, expected):
     big = decode.DecodeShape(cases.LLAMA3_8B, 16, 16384)
     us = us_for(big, tb_s)
     row = synthetic_decode_row(big, us, sdpa_us=us / sdpa_ratio, fi_us=us / fi_ratio)
-    assert row["targets"] == dict(zip(["<=0.53xSDPA", ">=92%read", "<=FI/1.1"], expected)) | {"err<=1e-2": True}
+    assert row["targets"] == dict(zip(["<=0.53xSDPA", ">=92%read", "<=FI/1.1"], expected)) | {"err<=1e-2": True} | NOT_RUN
     text = decode.table([row])
     assert "<=0.53xSDPA:" + ("PASS" if expected[0] else "MISS") in text and "flash expanded" in text
 
@@ -645,7 +854,23 @@ def test_decode_targets_large(tb_s, sdpa_ratio, fi_ratio, expected):
 @pytest.mark.parametrize("sdpa_ratio,ok", [(0.59, True), (0.61, False)])
 def test_decode_targets_small(shape, sdpa_ratio, ok):
     row = synthetic_decode_row(shape, 50.0, sdpa_us=50.0 / sdpa_ratio, err=0.02)
-    assert row["targets"] == {"<=0.60xSDPA": ok, "<=FI/1.1": None, "err<=1e-2": False}
+    assert row["targets"] == {"<=0.60xSDPA": ok, "<=FI/1.1": None, "err<=1e-2": False} | NOT_RUN
+
+
+@pytest.mark.parametrize("ratio,rotated_err,expected", [
+    (1.02, 2e-3, (True, True)), (1.04, 2e-3, (False, True)), (1.0, 0.02, (True, False))])
+def test_decode_rotated_targets(ratio, rotated_err, expected):
+    shape = decode.DecodeShape(cases.LLAMA3_8B, 64, 4096)
+    row = synthetic_decode_row(shape, 200.0, sdpa_us=400.0, rotated_graph_us=200.0 * ratio, rotated_err=rotated_err)
+    s = row["summary"]
+    assert (s["fp8kv_best"], s["rotated_best"]) == ("fp8kv e4m3 NHD", "fp8kv e4m3 rotated+centred HND")
+    assert s["rotated_graph_us"] == 200.0 * ratio and s["rotated_vs_plain"] == pytest.approx(ratio)
+    assert s["max_rotated_rel_err"] == rotated_err
+    assert {k: row["targets"][k] for k in NOT_RUN} == dict(zip(NOT_RUN, expected))
+    text = decode.table([row])
+    assert all(h in text.splitlines()[0] for h in ("rot+c us", "xplain", "rot+c err"))
+    assert f" {200.0 * ratio:.1f} " in text and f" {ratio:.2f} " in text and f" {rotated_err:.1e} " in text
+    assert "rot+c<=1.03xplain:" + ("PASS" if expected[0] else "MISS") in text
 
 
 def test_decode_row_whose_fp8kv_graph_failed_is_not_judged():
@@ -655,7 +880,7 @@ def test_decode_row_whose_fp8kv_graph_failed_is_not_judged():
     row = {"label": shape.label, "fp8_kv_bytes": shape.kv_bytes(1), "large": shape.is_large, "columns": cols}
     row["summary"] = decode.summarize_row(row, CEILINGS)
     assert row["summary"]["fp8kv_launch_us"] == 80.0 and row["summary"]["fp8kv_graph_us"] is None
-    assert decode.evaluate_targets(row) == {"<=0.60xSDPA": None, "<=FI/1.1": None, "err<=1e-2": True}
+    assert decode.evaluate_targets(row) == {"<=0.60xSDPA": None, "<=FI/1.1": None, "err<=1e-2": True} | NOT_RUN
     assert "(CUDA graph): RuntimeError: capture" in common.errors_text([row])
 
 
@@ -669,9 +894,11 @@ def test_decode_row_whose_fp8kv_failed():
     assert "no kernel" in common.errors_text([row]) and "n/a" in decode.table([row])
 
 
-def synthetic_prefill_row(kind, fp8_us, flash_us, fi_us=None, decode_us=None, best_sdpa_us=None):
+def synthetic_prefill_row(kind, fp8_us, flash_us, fi_us=None, decode_us=None, best_sdpa_us=None, rotated_us=None):
     graph = lambda us: {"median_us": us + 5, "graph": {"median_us": us, "rel_err": 1e-3}, "rel_err": 1e-3}
     cols = {"fp8kv e4m3 NHD": graph(fp8_us), "SDPA flash": {"median_us": flash_us}}
+    if rotated_us is not None:
+        cols |= {prefill.ROTATED_COLUMNS[0]: graph(rotated_us * 1.2), prefill.ROTATED_COLUMNS[1]: graph(rotated_us)}
     if best_sdpa_us is not None:
         cols["SDPA cudnn expanded"] = {"median_us": best_sdpa_us}
     if fi_us is not None:
@@ -694,11 +921,23 @@ def synthetic_prefill_row(kind, fp8_us, flash_us, fi_us=None, decode_us=None, be
 def test_prefill_targets(kind, fp8_us, flash_us, fi_us, decode_us, expected):
     row = synthetic_prefill_row(kind, fp8_us, flash_us, fi_us, decode_us, best_sdpa_us=50.0)
     names = [">=1.0xSDPAflash", "FI>=1.3x"] + (["<=1.1xdecode"] if kind == "verify" else [])
-    assert row["targets"] == dict(zip(names, expected)) | {"err<=1e-2": True}
+    assert row["targets"] == dict(zip(names, expected)) | {"err<=1e-2": True, "rot+c<=1.05xplain": None,
+                                                            "rot+c_err<=1e-2": None}
     s = row["summary"]
     assert s["sdpa_flash_best"] == "SDPA flash" and s["sdpa_best"] == "SDPA cudnn expanded"
     assert s["fp8kv_tflops"] == pytest.approx(1e12 / (fp8_us * 1e-6) / 1e12)
     assert "cudnn expanded" in prefill.table([row])
+
+
+@pytest.mark.parametrize("ratio,ok", [(1.04, True), (1.06, False)])
+def test_prefill_rotated_targets(ratio, ok):
+    row = synthetic_prefill_row("chunked prefill", 100.0, 100.0, rotated_us=100.0 * ratio)
+    s = row["summary"]
+    assert s["rotated_best"] == prefill.ROTATED_COLUMNS[1] and s["rotated_vs_plain"] == pytest.approx(ratio)
+    assert row["targets"]["rot+c<=1.05xplain"] is ok and row["targets"]["rot+c_err<=1e-2"] is True
+    text = prefill.table([row])
+    assert "rot+c us" in text and f" {100.0 * ratio:.1f} " in text
+    assert f"rot+c<=1.05xplain:{'PASS' if ok else 'MISS'}" in text
 
 
 @pytest.mark.parametrize("fraction,ok", [(0.7, True), (0.6, False)])
@@ -709,13 +948,34 @@ def test_write_and_amax_targets(fraction, ok):
                   write.TORCH_COLUMN: {"median_us": 10 * us}}
     row = {"label": "w", "bytes": 10**6, "columns": write_cols}
     row["summary"] = write.summarize_row(row, CEILINGS)
-    assert write.evaluate_targets(row) == {">=67%copy": ok, "exact": True}
+    assert write.evaluate_targets(row) == {">=67%copy": ok, "exact": True, "rot+c<=1.15xplain": None,
+                                           "rot+c_exact": None}
     assert row["summary"]["vs_baseline"] == pytest.approx(0.1)
     amax_cols = {amax.FP8KV_COLUMN: {"median_us": us + 5, "exact": True, "graph": graph},
                  amax.TORCH_COLUMN: {"median_us": 2 * us}}
     row = {"label": "a", "bytes": 10**6, "columns": amax_cols}
     row["summary"] = amax.summarize_row(row, CEILINGS)
     assert amax.evaluate_targets(row) == {">=67%read": ok, "exact": True}
+
+
+@pytest.mark.parametrize("ratio,bad_bytes,expected", [(1.14, 0, (True, True)), (1.16, 0, (False, True)),
+                                                     (1.0, 2, (True, False))])
+def test_write_rotated_targets(ratio, bad_bytes, expected):
+    timing = lambda us, bad: {"median_us": us + 5, "mismatched_bytes": 0,
+                              "graph": {"median_us": us, "mismatched_bytes": bad}}
+    nhd, hnd = write.ROTATED_COLUMNS
+    cols = {"fp8kv NHD": timing(10.0, 0), "fp8kv HND": timing(12.0, 0),
+            nhd: timing(10.0 * ratio + 1, 0), hnd: timing(10.0 * ratio, bad_bytes)}
+    row = {"label": "w", "bytes": 10**6, "columns": cols}
+    row["summary"] = write.summarize_row(row, CEILINGS)
+    row["targets"] = write.evaluate_targets(row)
+    s = row["summary"]
+    assert s["rotated_best"] == hnd and s["rotated_vs_plain"] == pytest.approx(ratio)
+    assert (s["mismatched_bytes"], s["rotated_mismatched_bytes"]) == (0, bad_bytes)
+    assert (row["targets"]["rot+c<=1.15xplain"], row["targets"]["rot+c_exact"]) == expected
+    text = write.table([row])
+    assert all(h in text.splitlines()[0] for h in ("rot+c us", "xplain", "rot+c bad"))
+    assert f" {10.0 * ratio:.1f} " in text and "rot+c_exact:" + ("PASS" if expected[1] else "MISS") in text
 
 
 def synthetic_payload(name, metric, rows, series, relative_to=None):
@@ -731,15 +991,16 @@ def synthetic_payload(name, metric, rows, series, relative_to=None):
 def test_json_and_png_outputs(tmp_path, which):
     if which == "decode":
         shapes = [decode.DecodeShape(cases.LLAMA3_8B, b, 4096) for b in (16, 64)]
-        rows = [synthetic_decode_row(s, us_for(s, 2.5), 900.0, 700.0) for s in shapes]
-        series = [["fp8kv", "@fp8kv_best"], ["SDPA", "@sdpa_best"], ["FI", "@flashinfer_best"], ["absent", "nope"]]
+        rows = [synthetic_decode_row(s, us_for(s, 2.5), 900.0, 700.0, rotated_graph_us=us_for(s, 2.4)) for s in shapes]
+        series = [["fp8kv", "@fp8kv_best"], ["rotated", "@rotated_best"], ["SDPA", "@sdpa_best"],
+                  ["FI", "@flashinfer_best"], ["absent", "nope"]]
         payload = synthetic_payload("decode", "eff_tb_s", rows, series, ["SDPA", "@sdpa_best"])
     else:
         rows = [{"label": "N1", "columns": {"fp8kv NHD": {"eff_tb_s": 2.1, "median_us": 5.0}}}]
         payload = synthetic_payload("write", "eff_tb_s", rows, [["fp8kv NHD", "fp8kv NHD"]])
     args = argparse.Namespace(json=tmp_path / "out" / "r.json", png=tmp_path / "out" / "r.png")
     common.write_outputs(payload, args)
-    assert json.loads(args.json.read_text())["rows"][0]["label"] == rows[0]["label"]
+    assert json.loads(args.json.read_text())["rows"][0] == json.loads(json.dumps(rows[0]))  # columns, summary, targets
     assert args.png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     again = tmp_path / "again.png"
     subprocess.run([sys.executable, str(BENCHMARKS / "plot.py"), str(args.json), "--png", str(again)], check=True)

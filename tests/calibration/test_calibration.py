@@ -21,6 +21,7 @@ from transformers import MistralConfig, MistralForCausalLM  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 from transformers.masking_utils import sdpa_mask  # noqa: E402
 
+from rotated_reference import hadamard_matrix  # noqa: E402
 from checkpoints import (assert_reported, compressed_tensors_config, llama_config, random_amax,  # noqa: E402
                          raw_safetensors, run_in_child, scale_tensors, source_checkpoint, write_checkpoint)
 from fp8kv import cli, ops  # noqa: E402
@@ -75,17 +76,16 @@ def token_batches(shapes, seed: int = 1) -> list[torch.Tensor]:
 BATCHES = [(2, 12), (1, 20), (3, 5)]
 
 
-def attention_inputs_amax(model, batches, granularity: str):
-    """float64 max |K|, |V| of the key/value every attention call receives (K after rotary
-    embedding), recorded by an attention function wrapped around transformers' SDPA attention;
-    per layer, per head or over all heads."""
-    maxima = {}
+def attention_inputs(model, batches) -> dict[tuple[int, str], torch.Tensor]:
+    """float64 key and value every attention call receives (K after rotary embedding), recorded by an
+    attention function wrapped around transformers' SDPA attention: {(layer, 'k' or 'v'): [tokens,
+    kv_heads, head_size]} over all batches."""
+    inputs = {}
 
     def record(module, query, key, value, *args, **kwargs):
         for kind, t in (("k", key), ("v", value)):
-            amax = t.double().abs().amax(dim=(0, 2, 3))
-            previous = maxima.get((module.layer_idx, kind))
-            maxima[(module.layer_idx, kind)] = amax if previous is None else torch.maximum(previous, amax)
+            tokens = t.double().transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+            inputs.setdefault((module.layer_idx, kind), []).append(tokens)
         return sdpa_attention_forward(module, query, key, value, *args, **kwargs)
 
     AttentionInterface.register("record_kv", record)
@@ -98,10 +98,15 @@ def attention_inputs_amax(model, batches, granularity: str):
                 model(input_ids=batch)
     finally:
         model.set_attn_implementation(implementation)
-    layers = model.config.num_hidden_layers
+    return {key: torch.cat(parts) for key, parts in inputs.items()}
+
+
+def attention_inputs_amax(model, batches, granularity: str):
+    """float64 max |K|, |V| of the attention inputs per layer, per head or over all heads."""
+    inputs = attention_inputs(model, batches)
 
     def values(kind):
-        per_head = [maxima[(layer, kind)] for layer in range(layers)]
+        per_head = [inputs[(layer, kind)].abs().amax(dim=(0, 2)) for layer in range(model.config.num_hidden_layers)]
         return [tuple((m.amax().reshape(1) if granularity == "tensor" else m).tolist()) for m in per_head]
 
     return values("k"), values("v")
@@ -294,9 +299,10 @@ def file_metadata(directory) -> dict:
 
 
 def load(directory, fmt, **kwargs) -> KVCacheConfig:
+    """The plain recipe's config: the scales calibration writes for other engines."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        return load_kv_cache_config(directory, fmt, **kwargs)
+        return load_kv_cache_config(directory, fmt, **{"rotation": "none", **kwargs})
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "head"])
@@ -645,13 +651,31 @@ def test_calibrate_checkpoint_measures_exports_and_summarizes(tmp_path, layout, 
         from_json = load(model_dir, fmt, scales_json=legacy)  # model_dir itself holds no scales
         assert from_json.k_scales == tuple((max(a[0], b[0]),) for a, b in zip(kv_cache.k_scales, kv_cache.v_scales))
 
+    # The rotated + centred recipe: mu = the mean of the rotated K, scales from max |kH - mu| and max
+    # |vH| (float64 here; the calibrator rotates in float32: 1e-6 relative), loaded back by default.
+    inputs = attention_inputs(model, batches)
+    rotated = result.rotated
+    assert rotated.recipe == "rotated + centred" and rotated.dtype is fmt
+    h = hadamard_matrix(HEAD_SIZE)
+    for layer in range(2):
+        key, value = inputs[(layer, "k")] @ h, inputs[(layer, "v")] @ h
+        mu = key.mean(0)
+        torch.testing.assert_close(rotated.k_offset(layer).double(), mu, rtol=1e-6, atol=1e-6)
+        for scales, x in ((rotated.k_scales[layer], key - mu), (rotated.v_scales[layer], value)):
+            amax = x.abs().amax(dim=(0, 2))
+            amax = amax.amax().reshape(1) if granularity == "tensor" else amax
+            assert scales == pytest.approx((amax * 1.25 / max_finite).tolist(), rel=1e-6)
+    default = load(out, fmt, rotation="hadamard")
+    assert (default.k_scales, default.v_scales, default.k_offsets) == (rotated.k_scales, rotated.v_scales,
+                                                                       rotated.k_offsets)
+
     # The summary: the run, each layer's largest maxima and scales to 4 significant digits, the files.
     assert (result.device, result.model_dtype) == (torch.device("cpu"), torch.float32)
     lines = result.summary().splitlines()
     assert lines[0] == (f"calibrated 2 layers on {result.amax.num_tokens} tokens (cpu, torch.float32), "
                         f"per {granularity}, for {fmt.value}, margin 1.25")
-    assert lines[-1] == (f"wrote {out} (scales in {scales_name}, declared in config.json)"
-                         + (f" and {legacy}" if with_json else ""))
+    assert lines[-1] == (f"wrote {out} (scales in {scales_name}, declared in config.json, the rotated recipe's "
+                         "in fp8kv_kv_cache.json)" + (f" and {legacy}" if with_json else ""))
     expected = [[max(k[layer]), max(kv_cache.k_scales[layer]), max(v[layer]), max(kv_cache.v_scales[layer])]
                 for layer in range(2)]
     # 4 significant digits: within half a unit of the 4th digit, 5e-4 relative.

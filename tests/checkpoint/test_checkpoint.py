@@ -28,9 +28,10 @@ def f32(x: float) -> float:
 
 
 def load(directory, cache_dtype="float8_e4m3fn", **kwargs) -> KVCacheConfig:
+    """The plain recipe's config (the scales other engines read; the rotated recipe: test_rotated_recipe.py)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a supported checkpoint with scales loads without warnings
-        return load_kv_cache_config(directory, cache_dtype, **kwargs)
+        return load_kv_cache_config(directory, cache_dtype, **{"rotation": "none", **kwargs})
 
 
 # ----------------------------------------------------------------------------- supported forms
@@ -151,13 +152,13 @@ def test_shard_kv_heads_rejects_indivisible_counts():
 def test_bad_tp_arguments(tmp_path, tp_rank, tp_size, message):
     write_checkpoint(tmp_path, tensors=scale_tensors(K, V))
     with pytest.raises(ValueError, match=message):
-        load_kv_cache_config(tmp_path, "fp8_e4m3fn", tp_rank=tp_rank, tp_size=tp_size)
+        load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none", tp_rank=tp_rank, tp_size=tp_size)
 
 
 def test_indivisible_heads_for_tp_size(tmp_path):
     write_checkpoint(tmp_path, num_kv_heads=6, tensors=scale_tensors(K, V))
     with pytest.raises(ValueError, match="num_kv_heads=6 .* cannot be split across tp_size=4"):
-        load_kv_cache_config(tmp_path, "fp8_e4m3fn", tp_size=4)
+        load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none", tp_size=4)
 
 
 # ----------------------------------------------------------------------------- legacy JSON
@@ -244,7 +245,7 @@ def test_e4m3_without_scales_uses_one_and_warns_once(tmp_path, cache):
     write_checkpoint(tmp_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        config = load_kv_cache_config(tmp_path, cache)
+        config = load_kv_cache_config(tmp_path, cache, rotation="none")
     assert len(caught) == 1
     message = str(caught[0].message)
     assert str(tmp_path) in message and "scale 1.0" in message and "calibrate" in message
@@ -464,14 +465,14 @@ def test_malformed_case_count():
 def test_given_geometry_must_agree_with_config(tmp_path):
     write_checkpoint(tmp_path, tensors=scale_tensors(K, V))
     with pytest.raises(CheckpointError, match="config.json: num_hidden_layers: is 2 but num_layers=3 was given"):
-        load_kv_cache_config(tmp_path, "fp8_e4m3fn", num_layers=3)
+        load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none", num_layers=3)
 
 
 def test_legacy_json_rank_count_must_match_tp_size(tmp_path):
     write_checkpoint(tmp_path, legacy_json=legacy_json({0: {0: 1.0, 1: 1.0}, 1: {0: 1.0, 1: 1.0}}))
     with pytest.raises(CheckpointError, match=r"kv_cache_scales.json: kv_cache.scaling_factor: has scales for 2 "
                                               r"tensor-parallel ranks; expected 1 or tp_size=4"):
-        load_kv_cache_config(tmp_path, "fp8_e4m3fn", tp_size=4, tp_rank=0)
+        load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none", tp_size=4, tp_rank=0)
 
 
 def test_every_problem_is_reported_at_once(tmp_path):
@@ -480,7 +481,7 @@ def test_every_problem_is_reported_at_once(tmp_path):
     tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(math.nan)
     write_checkpoint(tmp_path, tensors=tensors)
     with pytest.raises(CheckpointError) as info:
-        load_kv_cache_config(tmp_path, "fp8_e4m3fn")
+        load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none")
     assert len(info.value.problems) >= 2
     assert K0 in str(info.value) and "model.layers.1.self_attn.v_scale" in str(info.value)
 

@@ -131,7 +131,7 @@ def test_layer_limit_is_inclusive(tmp_path, monkeypatch):
 def test_layer_index_in_a_name_beyond_the_model(tmp_path, name, message):
     write_checkpoint(tmp_path, tensors={**scale_tensors(K, V), name: torch.tensor(1.0)})
     with pytest.raises(CheckpointError) as info:
-        load_kv_cache_config(tmp_path, "fp8_e4m3fn")
+        load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none")
     assert_reported(info.value.problems, message, "model.safetensors", name)
 
 
@@ -144,7 +144,7 @@ def test_json_files_are_read_up_to_a_limit(tmp_path, monkeypatch):
     # A safetensors header is JSON too.
     write_checkpoint(tmp_path / "header", tensors={f"{ATTENTION.format(0)}.{'x' * 4096}.k_scale": torch.tensor(1.0)})
     with pytest.raises(CheckpointError) as info:
-        load_kv_cache_config(tmp_path / "header", "fp8_e4m3fn")
+        load_kv_cache_config(tmp_path / "header", "fp8_e4m3fn", rotation="none")
     assert_reported(info.value.problems, "header length \\d+ exceeds 0.00390625 MiB", "model.safetensors")
 
 
@@ -167,7 +167,7 @@ def test_index_entries_must_stay_inside_the_directory(tmp_path, entry):
     directory = _sharded_with_outside_scales(tmp_path, entry)
     (directory / "escape").symlink_to(tmp_path)  # a folder link out of the checkpoint
     with pytest.raises(CheckpointError) as info:
-        load_kv_cache_config(directory, "fp8_e4m3fn")
+        load_kv_cache_config(directory, "fp8_e4m3fn", rotation="none")
     assert_reported(info.value.problems, "maps to shard '.*outside.safetensors', which lies outside the checkpoint "
                     "directory", INDEX, K0)
     with pytest.raises(CheckpointError, match="lies outside"):
@@ -190,7 +190,7 @@ def test_index_entries_in_a_subfolder_and_linked_files_are_fine(tmp_path):
     (directory / INDEX).unlink()
     (blobs / "index").write_text(json.dumps({"weight_map": weight_map}))
     (directory / INDEX).symlink_to(blobs / "index")
-    config = load_kv_cache_config(directory, "fp8_e4m3fn")
+    config = load_kv_cache_config(directory, "fp8_e4m3fn", rotation="none")
     assert config.k_scales == tuple((k,) for k in K) and config.v_scales == tuple((v,) for v in V)
     assert checkpoint_tensor_names(directory)[K0] == directory / "sub" / "scales.safetensors"
 
@@ -203,7 +203,7 @@ def test_index_entries_of_the_wrong_kind(tmp_path, entry, message):
     write_checkpoint(tmp_path, shards=2, tensors=scale_tensors(K, V))
     edit_index(tmp_path, **{K0: entry})
     with pytest.raises(CheckpointError) as info:
-        load_kv_cache_config(tmp_path, "fp8_e4m3fn")
+        load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none")
     assert_reported(info.value.problems, message, INDEX, K0)
 
 
@@ -347,7 +347,7 @@ def test_hostile_content_is_a_checkpoint_error_naming_the_file(tmp_path, case):
     build, file, tensor, message = CONTENT_ERRORS[case]
     build(tmp_path)
     with pytest.raises(CheckpointError) as info:
-        load_kv_cache_config(tmp_path, "fp8_e4m3fn")
+        load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none")
     assert_reported(info.value.problems, message, file, tensor)
     assert read_checkpoint_scales(tmp_path).problems == info.value.problems
 
@@ -355,7 +355,7 @@ def test_hostile_content_is_a_checkpoint_error_naming_the_file(tmp_path, case):
 def test_unlisted_shard_without_scales_is_fine(tmp_path):
     write_checkpoint(tmp_path, **SHARDED)
     save_file({"consolidated.weight": torch.ones(2)}, str(tmp_path / "consolidated.safetensors"))
-    assert load_kv_cache_config(tmp_path, "fp8_e4m3fn").k_scales == tuple((k,) for k in K)
+    assert load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none").k_scales == tuple((k,) for k in K)
 
 
 @pytest.mark.parametrize("source", ["tensors", "json"])
@@ -374,7 +374,7 @@ def test_scale_conversion_out_of_float32_names_file_and_tensor(tmp_path, source,
         file, tensor = "kv_cache_scales.json", "kv_cache.scaling_factor[0][0]"
     assert read_checkpoint_scales(tmp_path).problems == ()  # valid as stored
     with pytest.raises(CheckpointError) as info:
-        load_kv_cache_config(tmp_path, cache)
+        load_kv_cache_config(tmp_path, cache, rotation="none")
     assert len(info.value.problems) == 1
     assert_reported(info.value.problems, f"x{2.0 if result == 'inf' else 0.5:g} for the {cache} cache is {result} "
                     "in float32", file, tensor)
@@ -388,12 +388,12 @@ def test_scales_json_next_to_the_directory_file_is_an_error_naming_both(tmp_path
     given = tmp_path / "other.json"
     given.write_text(json.dumps(legacy_json({0: {0: 2.0, 1: 2.0}})))
     with pytest.raises(CheckpointError) as info:
-        load_kv_cache_config(tmp_path / "model", "fp8_e4m3fn", scales_json=given)
+        load_kv_cache_config(tmp_path / "model", "fp8_e4m3fn", rotation="none", scales_json=given)
     assert_reported(info.value.problems, f"conflicting sources: scales_json='{given}' was also given",
                     tmp_path / "model" / "kv_cache_scales.json")
     # Naming the directory's own file is one source.
     own = tmp_path / "model" / "kv_cache_scales.json"
-    assert load_kv_cache_config(tmp_path / "model", "fp8_e4m3fn", scales_json=own).k_scales == ((1.0,), (1.0,))
+    assert load_kv_cache_config(tmp_path / "model", "fp8_e4m3fn", rotation="none", scales_json=own).k_scales == ((1.0,), (1.0,))
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -409,7 +409,7 @@ def test_integer_arguments_refuse_bools_and_other_types(tmp_path, argument, valu
     write_checkpoint(tmp_path, tensors=scale_tensors(K, V))
     kwargs = {"tp_size": 2} if argument == "tp_rank" else {}
     with pytest.raises(error, match=f"^{argument} must be"):
-        load_kv_cache_config(tmp_path, "fp8_e4m3fn", **kwargs, **{argument: value})
+        load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none", **kwargs, **{argument: value})
     if argument in ("num_layers", "num_kv_heads"):
         with pytest.raises(error, match=f"^{argument} must be"):
             read_checkpoint_scales(tmp_path, **{argument: value})
@@ -494,12 +494,12 @@ def test_a_journals_file_is_read_instead_of_the_one_it_replaces(tmp_path):
     (tmp_path / new_index).write_text(json.dumps(index))
     (tmp_path / JOURNAL).write_text(json.dumps({"files": {"kv_cache_scales.safetensors": new_shard,
                                                           INDEX: new_index}}))
-    config = load_kv_cache_config(tmp_path, "fp8_e4m3fn")
+    config = load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none")
     assert config.k_scales == tuple((k,) for k in K) and config.v_scales == tuple((v,) for v in V)
     assert checkpoint_tensor_names(tmp_path)[K0] == tmp_path / new_shard
     (tmp_path / new_index).write_text("{")
     with pytest.raises(CheckpointError) as info:
-        load_kv_cache_config(tmp_path, "fp8_e4m3fn")
+        load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none")
     assert_reported(info.value.problems, "invalid JSON", new_index)
 
 

@@ -111,7 +111,7 @@ def reading(directory: pathlib.Path, fmt: KVCacheDtype) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the unit-scale warning of a checkpoint without scales
         try:
-            loaded = load_kv_cache_config(directory, fmt)
+            loaded = load_kv_cache_config(directory, fmt, rotation="none")
             loaded = (loaded.dtype, loaded.k_scales, loaded.v_scales)
         except CheckpointError as e:
             loaded = strip(e)
@@ -270,7 +270,7 @@ def test_a_journal_that_is_not_fp8kvs_is_refused_and_kept(tmp_path):
         with pytest.raises(ValueError, match=re.escape(expected)):
             export_checkpoint(work, work, random_amax(2, 1).scales())
         # The loader cannot tell which files to read: an error naming the journal.
-        for read in (lambda: load_kv_cache_config(work, "fp8_e4m3fn"), lambda: load_kv_cache_config(work, "auto"),
+        for read in (lambda: load_kv_cache_config(work, "fp8_e4m3fn", rotation="none"), lambda: load_kv_cache_config(work, "auto"),
                      lambda: checkpoint_tensor_names(work)):
             with pytest.raises(CheckpointError) as error:
                 read()

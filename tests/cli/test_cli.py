@@ -5,6 +5,7 @@ report (CheckpointScales.report, tested here); the demo's scales are the calibra
 prompt."""
 
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -248,7 +249,8 @@ def test_calibrate_reports_the_file_it_wrote(tmp_path, sharded, capsys):
                           "--token-ids", "--out", str(tmp_path / "out"), "--no-progress", "--device", "cpu"], capsys)
     assert status == 0
     expected = "kv_cache_scales.safetensors" if sharded else "model.safetensors"
-    assert f"wrote {tmp_path / 'out'} (scales in {expected}, declared in config.json)" in out
+    assert (f"wrote {tmp_path / 'out'} (scales in {expected}, declared in config.json, the rotated recipe's in "
+            "fp8kv_kv_cache.json)") in out
     with safe_open(str(tmp_path / "out" / expected), framework="pt") as f:
         assert {"model.layers.0.self_attn.k_scale", "model.layers.1.self_attn.v_scale"} <= set(f.keys())
 
@@ -295,6 +297,9 @@ def test_report_of_per_head_scales(tmp_path, capsys):
         "    1  K     0.1 0.333333 3 1e-05    (model.layers.1.self_attn.k_scale)",
         "    1  V     0.5 0.5 0.25 6    (model.layers.1.self_attn.v_scale)",
         "",
+        "rotated recipe:  no fp8kv_kv_cache.json: the rotated recipe (an FP8 cache's default) takes the plain "
+        "scales times sqrt(block size)",
+        "",
         "no problems found",
     ]
     assert_inspect_prints(tmp_path, report, 0, capsys)
@@ -313,6 +318,9 @@ def test_report_of_legacy_json(tmp_path, capsys):
         f"legacy JSON:     {tmp_path / 'kv_cache_scales.json'} (per tensor, one scale for K and V)",
         "  rank 0: 0.25 0.5",
         "  rank 1: 0.1 3",
+        "",
+        "rotated recipe:  no fp8kv_kv_cache.json: the rotated recipe (an FP8 cache's default) takes the plain "
+        "scales times sqrt(block size)",
         "",
         "no problems found",
     ]
@@ -431,9 +439,12 @@ def test_evaluated_caches_are_named_canonically():
     from fp8kv.evaluate import cache_name, label
 
     assert cache_name("fp8_e4m3-tensor") == cache_name("E4M3FN-tensor") == "float8_e4m3fn-tensor"
-    assert label("e5m2") == "float8_e5m2, scale 1" and label("e4m3fnuz-head") == "float8_e4m3fnuz, calibrated per head"
-    for bad in ("auto-tensor", "e4m3-calibrated", "e4m3-", "-tensor"):
-        with pytest.raises(ValueError, match="expected FORMAT or FORMAT-SOURCE"):
+    assert cache_name("e4m3-centred-checkpoint") == "float8_e4m3fn-centred-checkpoint"
+    assert label("e5m2") == "float8_e5m2, plain, scale 1"
+    assert label("e4m3fnuz-rotated-head") == "float8_e4m3fnuz, rotated, calibrated per head"
+    for bad in ("auto-tensor", "e4m3-calibrated", "e4m3-", "-tensor", "e4m3-tensor-rotated", "e4m3-rotated-centred",
+                "e4m3-rotated-tensor-x"):
+        with pytest.raises(ValueError, match=re.escape("expected FORMAT[-RECIPE][-SOURCE]")):
             cache_name(bad)
 
 

@@ -18,6 +18,7 @@ from fp8kv.commands import evaluate as command  # noqa: E402
 from fp8kv.commands.errors import CommandError  # noqa: E402
 from fp8kv.formats import KVCacheConfig, KVCacheDtype  # noqa: E402
 from fp8kv.integrations.transformers import PagedCache, cache_argument, enable  # noqa: E402
+from fp8kv.rotation import Rotation  # noqa: E402
 
 # Tiny models: one CPU thread (conftest.py says why).
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -224,14 +225,14 @@ def test_any_format_takes_any_scale_source():
     amax = calibrate(model, [w[None] for w in tokens], granularity="head", progress=False)
     checkpoint = amax.scales(KVCacheDtype.E4M3FN)
     configs = ev.kv_cache_configs(model, tokens, ["e4m3fnuz-head", "e5m2-tensor", "fp8_e4m3fnuz-checkpoint", "e5m2"],
-                                  checkpoint_scales=checkpoint, progress=False)
+                                  checkpoint={Rotation.NONE: checkpoint}, progress=False)
     assert configs["e4m3fnuz-head"] == amax.scales(KVCacheDtype.E4M3FNUZ)
     e5m2 = configs["e5m2-tensor"]
     assert e5m2.dtype is KVCacheDtype.E5M2 and e5m2.k_scales == ev.per_tensor(amax).scales().k_scales
     fnuz = configs["fp8_e4m3fnuz-checkpoint"]
     assert fnuz.dtype is KVCacheDtype.E4M3FNUZ
     assert fnuz.k_scales == tuple(tuple(2 * s for s in heads) for heads in checkpoint.k_scales)
-    assert configs["e5m2"] == KVCacheConfig.unit_scales(KVCacheDtype.E5M2, 2)
+    assert configs["e5m2"] == KVCacheConfig.unit_scales(KVCacheDtype.E5M2, 2, rotation="none")
 
 
 def test_per_tensor_maxima_equal_per_tensor_calibration():
@@ -337,7 +338,7 @@ def test_command_prints_table_and_writes_json(checkpoint, tmp_path, capsys):
     printed = capsys.readouterr().out
     # Labelled with the model as the user named it, each cache by its canonical name.
     assert f"{model_dir}: 3 windows x 32 tokens (93 predicted), bfloat16 on CPU" in printed
-    for label in ("unquantized (model dtype)", "float8_e4m3fn, scale 1", "float8_e4m3fn, calibrated per head"):
+    for label in ("unquantized (model dtype)", "float8_e4m3fn, plain, scale 1", "float8_e4m3fn, plain, calibrated per head"):
         assert f"| {label} |" in printed
     saved = json.loads(out.read_text())
     assert [c["name"] for c in saved["caches"]] == ["auto", "float8_e4m3fn", "float8_e4m3fn-head"]
@@ -357,8 +358,8 @@ def test_command_plots_layer_errors(checkpoint, tmp_path):
     (["--seq-len", "1"], "argument --seq-len: must be an integer >= 2, got 1"),
     (["--seq-len", "300"], r"argument --seq-len: 300 is beyond the model's max_position_embeddings \(256\)"),
     (["--windows", "40"], r"argument --data: the text has 400 tokens; 40 windows \(--windows\) of 16 tokens"),
-    (["--kv-cache-dtype", "e4m3-checkpoint"], "argument --kv-cache-dtype: float8_e4m3fn-checkpoint needs KV cache "
-     "scales, and .* has none; pass --scales"),
+    (["--kv-cache-dtype", "e4m3-checkpoint"], "argument --kv-cache-dtype: float8_e4m3fn-checkpoint needs that "
+     "recipe's KV cache scales .* and .* has none; pass --scales"),
     # argparse refuses these (argument types, choices): a usage error, exit status 2
     (["--windows", "0"], None),
     (["--kv-cache-dtype", "e4m3", "fp9"], None),
@@ -433,7 +434,7 @@ def test_checkpoint_scales_are_used_and_checked(checkpoint, tmp_path):
     with_scales = export_checkpoint(model_dir, tmp_path / "with_scales", kv_cache)
     plan = ev.prepare(model_dir, text.read_text(), ["e4m3-checkpoint"], seq_len=16, windows=2, scales=with_scales,
                       device="cpu")
-    assert plan.checkpoint_scales.k_scales == kv_cache.k_scales and plan.caches == ("float8_e4m3fn-checkpoint",)
+    assert plan.checkpoint[Rotation.NONE].k_scales == kv_cache.k_scales and plan.caches == ("float8_e4m3fn-checkpoint",)
     # The model's own scales are found without --scales, and the default caches then include them.
     assert "float8_e4m3fn-checkpoint" in ev.prepare(with_scales, text.read_text(), seq_len=16, windows=2).caches
     assert "float8_e4m3fn-checkpoint" not in ev.prepare(model_dir, text.read_text(), seq_len=16, windows=2).caches
@@ -446,6 +447,44 @@ def test_checkpoint_scales_are_used_and_checked(checkpoint, tmp_path):
     with pytest.raises(ValueError, match="--scales: .* has scales for 3 layers x \\[1\\] heads; the model has 2 "
                        "layers and 2 KV heads"):
         ev.prepare(model_dir, text.read_text(), seq_len=16, windows=2, scales=tmp_path / "other_scales")
+
+
+def test_recipes_get_their_rotation_offsets_and_scales(checkpoint, tmp_path):
+    """Plain, rotated and rotated + centred caches from every source: offsets calibrated on the windows
+    are the calibration's; the checkpoint's rotated recipe is its fp8kv_kv_cache.json."""
+    from fp8kv.calibration import export_checkpoint
+
+    model_dir, text = checkpoint
+    model, tokens = tiny_llama(), windows()
+    amax = calibrate(model, [w[None] for w in tokens], granularity="head", progress=False)
+    rotated = amax.rotated.kv_cache("fp8_e4m3", "head")
+    with_scales = export_checkpoint(model_dir, tmp_path / "with_scales", amax.scales(), rotated=rotated)
+    plan = ev.prepare(model_dir, text.read_text(), seq_len=16, windows=2, scales=with_scales, device="cpu")
+    # Every default cache but the rotated recipe without offsets: the checkpoint's has them.
+    assert plan.caches == tuple(ev.cache_name(n) for n in ev.CACHES if n != "e4m3-rotated-checkpoint")
+    names = ["e4m3-rotated-tensor", "e4m3-centred-head", "e5m2-rotated-checkpoint"]
+    with pytest.raises(ValueError, match="e5m2-rotated-checkpoint needs that recipe's KV cache scales"):
+        ev.prepare(model_dir, text.read_text(), names, seq_len=16, windows=2, scales=with_scales, device="cpu")
+    configs = ev.kv_cache_configs(model, tokens, plan.caches + tuple(map(ev.cache_name, names[:2])),
+                                  checkpoint=plan.checkpoint, progress=False)
+    recipes = {name: (config.dtype.value, config.recipe) for name, config in configs.items()}
+    e4m3, e5m2 = "float8_e4m3fn", "float8_e5m2"
+    assert recipes == {
+        "auto": ("auto", "plain"), e4m3: (e4m3, "plain"), f"{e4m3}-checkpoint": (e4m3, "plain"),
+        f"{e4m3}-tensor": (e4m3, "plain"), f"{e4m3}-head": (e4m3, "plain"), f"{e4m3}-rotated": (e4m3, "rotated"),
+        f"{e4m3}-centred": (e4m3, "rotated + centred"), f"{e4m3}-centred-checkpoint": (e4m3, "rotated + centred"),
+        e5m2: (e5m2, "plain"), f"{e5m2}-rotated": (e5m2, "rotated"), f"{e5m2}-centred": (e5m2, "rotated + centred"),
+        f"{e4m3}-rotated-tensor": (e4m3, "rotated"), f"{e4m3}-centred-head": (e4m3, "rotated + centred")}
+    offsets = amax.rotated.k_offsets
+    assert configs[f"{e4m3}-centred"].k_offsets == offsets == configs[f"{e5m2}-centred"].k_offsets
+    assert configs[f"{e4m3}-centred"].k_scales == configs[f"{e4m3}-rotated"].k_scales == ((1.0,),) * 2
+    from_checkpoint = configs[f"{e4m3}-centred-checkpoint"]
+    assert (from_checkpoint.k_scales, from_checkpoint.k_offsets) == (rotated.k_scales, rotated.k_offsets)
+    calibrated = configs[f"{e4m3}-centred-head"]
+    assert (calibrated.k_scales, calibrated.k_offsets) == (rotated.k_scales, offsets)
+    assert configs[f"{e4m3}-rotated-tensor"].k_scales == amax.rotated.kv_cache("fp8_e4m3", "tensor",
+                                                                                centred=False).k_scales
+    assert ev.label(f"{e4m3}-centred-checkpoint") == "float8_e4m3fn, rotated + centred, checkpoint scales"
 
 
 def test_evaluation_text_concatenates_like_cat_and_names_missing_files(tmp_path):

@@ -20,6 +20,7 @@ pytest.importorskip("accelerate", reason="the real-model extra (accelerate) is n
 from fp8kv import evaluate as ev  # noqa: E402
 from fp8kv import load_kv_cache_config, read_checkpoint_scales  # noqa: E402
 from fp8kv import models  # noqa: E402
+from fp8kv.rotation import Rotation  # noqa: E402
 from fp8kv.calibration import export_checkpoint  # noqa: E402
 
 SEQ_LEN = 128
@@ -68,7 +69,7 @@ def test_gguf_converts_to_an_ordinary_checkpoint(checkpoint):
     assert (found.num_layers, found.num_kv_heads) == (30, 3)
     assert load_kv_cache_config(checkpoint, "auto").num_layers == 30
     with pytest.warns(UserWarning, match="has no KV cache scales"):
-        assert load_kv_cache_config(checkpoint, "fp8_e4m3").k_scales == ((1.0,),) * 30
+        assert load_kv_cache_config(checkpoint, "fp8_e4m3", rotation="none").k_scales == ((1.0,),) * 30
 
 
 def test_conversion_is_cached_by_package_version(checkpoint, monkeypatch):
@@ -106,13 +107,13 @@ def test_calibrate_export_load_round_trip(checkpoint, configs, tmp_path):
     assert found.problems == () and found.has_scales and len(found.k) == 30
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # scales present: no "no scales" warning
-        loaded = load_kv_cache_config(out, "fp8_e4m3")
+        loaded = load_kv_cache_config(out, "fp8_e4m3", rotation="none")
     assert (loaded.k_scales, loaded.v_scales) == (kv_cache.k_scales, kv_cache.v_scales)
     assert all(len(s) == 3 for s in loaded.k_scales)
     # evaluate picks the checkpoint's scales up as e4m3-checkpoint.
     plan = ev.prepare(checkpoint, models.evaluation_text(), ["e4m3-checkpoint"], seq_len=SEQ_LEN, windows=1,
                       scales=out, device="cpu")
-    assert plan.checkpoint_scales.k_scales == kv_cache.k_scales
+    assert plan.checkpoint[Rotation.NONE].k_scales == kv_cache.k_scales
 
 
 def test_converted_model_predicts_english(result):

@@ -18,6 +18,8 @@ from fp8kv import load_kv_cache_config  # noqa: E402
 from fp8kv.cache import CacheFullError  # noqa: E402
 from fp8kv.formats import KVCacheConfig, KVCacheDtype  # noqa: E402
 from fp8kv.integrations.transformers import PagedCache, cache_argument, enable  # noqa: E402
+from fp8kv.rotation import Rotation, hadamard  # noqa: E402
+from rotated_reference import rotate_float32  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device")])]
@@ -89,16 +91,20 @@ def ulp(logits: torch.Tensor, dtype: torch.dtype) -> float:
 
 def float64_reference(config: KVCacheConfig):
     """An attention function over the fake-quantized K/V in float64: K/V rounded to the cache
-    format with the config's scales exactly as the cache stores them (x / s in float32, saturated
-    to the largest finite value, RNE), then masked softmax attention in float64. Registered as
+    format with the config's scales exactly as the cache stores them (rotated for the rotated
+    recipe, in the kernels' fp32 arithmetic; x / s in float32, saturated to the largest finite
+    value, RNE; rotated back in float64), then masked softmax attention in float64. Registered as
     'fp8kv_test_reference'."""
 
     def dequantize(x, scale):
         if not config.dtype.is_fp8:
             return x.double()
+        rotated = config.rotation is Rotation.HADAMARD
+        stored = rotate_float32(x.cpu()).to(x.device) if rotated else x.float()
         s = scale.to(x.device)[None, :, None, None]
         top = config.dtype.max_finite
-        return (x.float() / s).clamp(-top, top).to(config.dtype.storage_dtype).double() * s.double()
+        values = (stored / s).clamp(-top, top).to(config.dtype.storage_dtype).double() * s.double()
+        return hadamard(values) if rotated else values
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         layer = module.layer_idx
@@ -114,14 +120,17 @@ def float64_reference(config: KVCacheConfig):
     return "fp8kv_test_reference"
 
 
-def calibrated_scales(model, ids, mask, fmt: KVCacheDtype, per_head: bool) -> KVCacheConfig:
-    """Scales from the K/V projections' amax over the whole generated text (x1.5 on K: RoPE can
-    grow an element by up to sqrt(2)), for `fmt`; per tensor or per KV head."""
+def calibrated_scales(model, ids, mask, fmt: KVCacheDtype, per_head: bool,
+                      rotation: Rotation = Rotation.NONE) -> KVCacheConfig:
+    """Scales from the K/V projections' amax (of their rotated outputs for a rotation) over the whole
+    generated text (x1.5 on K: RoPE can grow an element by up to sqrt(2)), for `fmt`; per tensor or
+    per KV head."""
     amax = {}
 
     def observe(name, layer):
         def hook(module, args, out):
-            heads = out.float().abs().reshape(-1, 2, out.shape[-1] // 2).amax(dim=(0, 2))
+            heads = out.float().reshape(-1, 2, out.shape[-1] // 2)
+            heads = (hadamard(heads) if rotation is Rotation.HADAMARD else heads).abs().amax(dim=(0, 2))
             amax[name, layer] = torch.maximum(amax.get((name, layer), heads), heads)
         return hook
 
@@ -137,7 +146,7 @@ def calibrated_scales(model, ids, mask, fmt: KVCacheDtype, per_head: bool) -> KV
         k_amax, v_amax = amax["k_proj", layer].cpu() * 1.5, amax["v_proj", layer].cpu()
         k.append((k_amax if per_head else k_amax.max().reshape(1)) / top)
         v.append((v_amax if per_head else v_amax.max().reshape(1)) / top)
-    return KVCacheConfig(fmt, k, v)
+    return KVCacheConfig(fmt, k, v, rotation=rotation if fmt.is_fp8 else Rotation.NONE)
 
 
 # ----------------------------------------------------------------------------- unquantized
@@ -191,12 +200,13 @@ def test_unquantized_cache_logits_match_eager(kind, dtype, device):
 @pytest.mark.parametrize("fmt", [KVCacheDtype.E4M3FN, KVCacheDtype.E5M2, KVCacheDtype.E4M3FNUZ])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", KINDS)
-def test_fp8_cache_logits_over_32_steps(kind, dtype, fmt, per_head, device):
+@pytest.mark.parametrize("rotation", list(Rotation))
+def test_fp8_cache_logits_over_32_steps(kind, dtype, fmt, per_head, device, rotation):
     model = tiny_model(kind, dtype, device)
     ids, mask = prompt(device)
     tokens, baseline = generate(eager(model), ids, mask)
     config = calibrated_scales(model, tokens, torch.cat([mask, torch.ones_like(tokens[:, PROMPT_LEN:])], 1), fmt,
-                               per_head)
+                               per_head, rotation)
     forced = tokens[:, PROMPT_LEN:]
     model.set_attn_implementation(float64_reference(config))
     _, reference = generate(model, ids, mask, force=forced)
@@ -231,7 +241,8 @@ def test_fp8_cache_logits_over_32_steps(kind, dtype, fmt, per_head, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_checkpoint_scales_give_identical_logits_on_fn_and_fnuz_caches(tmp_path, device):
     # The loader doubles e4m3fn-calibrated scales for an e4m3fnuz cache; both caches then hold
-    # the same bits and dequantize to the same values, so generation is bit for bit the same.
+    # the same bits and dequantize to the same values, so generation is bit for bit the same (here
+    # with the default, rotated recipe, whose scales the loader derives from the plain ones).
     model = tiny_model("llama", torch.bfloat16, device)
     ids, mask = prompt(device)
     tokens, _ = generate(eager(model), ids, mask)
@@ -245,7 +256,7 @@ def test_checkpoint_scales_give_identical_logits_on_fn_and_fnuz_caches(tmp_path,
         config = load_kv_cache_config(tmp_path, fmt)
         _, logits[fmt] = generate(enable(model), ids, mask, cache=PagedCache(config, max_tokens=256),
                                   force=tokens[:, PROMPT_LEN:])
-    assert load_kv_cache_config(tmp_path, "float8_e4m3fnuz").k_scales == tuple(
+    assert load_kv_cache_config(tmp_path, "float8_e4m3fnuz", rotation="none").k_scales == tuple(
         tuple(2 * s for s in layer) for layer in scales.k_scales)
     assert torch.equal(logits["float8_e4m3fn"], logits["float8_e4m3fnuz"])
 

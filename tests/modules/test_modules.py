@@ -13,8 +13,10 @@ from fp8kv.attention import PagedAttention, map_checkpoint_scale_names
 from fp8kv.cache import BlockAllocator, CacheFullError, PagedKVCache, bytes_per_token, capacity_report
 from fp8kv.checkpoint import CheckpointError
 from fp8kv.formats import KVCacheConfig, KVCacheDtype
+from fp8kv.rotation import Rotation
 from reference import (AttentionReference, add_output_rounding, assert_within, kernel_product_dtype,
                        paged_attention_reference)
+from rotated_reference import hadamard_matrix, rotated_attention_reference
 
 # Tiny models and tensors: one CPU thread (conftest.py says why).
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -147,13 +149,24 @@ def test_cache_from_config_takes_its_layer_count():
 # ----------------------------------------------------------------------------- attention
 
 
-def reference_dequantize(x: torch.Tensor, scale: torch.Tensor, fmt: KVCacheDtype) -> torch.Tensor:
-    """What the cache holds for `x`, in float64: x / s in float32, rounded to nearest even in the
-    FP8 format (these inputs stay inside its range, where torch's conversion is exact RNE), times s."""
+def reference_dequantize(x: torch.Tensor, scale: torch.Tensor, fmt: KVCacheDtype, offset=None) -> torch.Tensor:
+    """What the cache holds for `x` (already rotated and centred for those recipes: `offset` is then
+    added back), in float64: x / s in float32, rounded to nearest even in the FP8 format (these inputs
+    stay inside its range, where torch's conversion is exact RNE), times s."""
     if fmt is KVCacheDtype.UNQUANTIZED:
         return x.double()
     s = scale.float()[:, None]
-    return (x.float() / s).to(fmt.storage_dtype).double() * s.double()
+    values = (x.float() / s).to(fmt.storage_dtype).double() * s.double()
+    return values if offset is None else values + offset.double()
+
+
+def stored_basis(x: torch.Tensor, recipe: str, offset=None) -> torch.Tensor:
+    """x as the recipe stores it before the division by its scale (float32, the kernels' arithmetic)."""
+    if recipe == "plain":
+        return x.float()
+    from rotated_reference import rotate_float32
+    rotated = rotate_float32(x)
+    return rotated if offset is None else rotated - offset
 
 
 def reference_attention(q, keys, values, softmax_scale, num_cached):
@@ -193,14 +206,22 @@ def _scales(per_head, num_kv_heads, base, fmt):
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("model_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("recipe", ["plain", "rotated", "centred"])
 def test_paged_attention_over_steps_matches_float64_reference(device, fmt, layout, num_heads, num_kv_heads,
-                                                             per_head, model_dtype):
+                                                             per_head, model_dtype, recipe):
+    if recipe != "plain" and not fmt.is_fp8:
+        pytest.skip("an unquantized cache has the plain recipe only")
     # Head size 64 and 8-token blocks: supported by the CUDA kernels too; sequences span several blocks.
     head_size, block_size, num_layers = 64, 8, 2
     generator = torch.Generator().manual_seed(0)
-    # Scales put |x / s| up to ~4 / 0.02 = 200: inside every format's range, e4m3fnuz's 240 included.
+    # Scales put |x / s| up to ~4 / 0.02 = 200: inside every format's range, e4m3fnuz's 240 included
+    # (rotated values keep the norm of a row, and rarely exceed the plain maximum by much).
+    offsets = None
+    if recipe == "centred":
+        offsets = [0.5 * torch.randn(num_kv_heads, head_size, generator=generator) for _ in range(num_layers)]
     config = KVCacheConfig(fmt, [_scales(per_head, num_kv_heads, 0.02 * (layer + 1), fmt) for layer in range(num_layers)],
-                           [_scales(per_head, num_kv_heads, 0.03, fmt) for _ in range(num_layers)])
+                           [_scales(per_head, num_kv_heads, 0.03, fmt) for _ in range(num_layers)],
+                           rotation="none" if recipe == "plain" else "hadamard", k_offsets=offsets)
     cache = PagedKVCache(config, num_kv_heads=num_kv_heads, head_size=head_size, num_blocks=12,
                          block_size=block_size, model_dtype=model_dtype, device=device, layout=layout)
     layers = [PagedAttention(num_heads, num_kv_heads, head_size, config, layer).to(device) for layer in range(num_layers)]
@@ -229,11 +250,21 @@ def test_paged_attention_over_steps_matches_float64_reference(device, fmt, layou
             v = torch.randn(total, num_kv_heads, head_size, generator=generator).to(model_dtype)
             out = module(q.to(device), k.to(device), v.to(device), cache, batch).cpu()
             start = 0
+            offset = config.k_offset(layer)
             for s, n in zip(seqs, counts):
                 keys, values = history[(s, layer)]
-                keys.append(reference_dequantize(k[start:start + n], config.k_scale(layer), fmt))
-                values.append(reference_dequantize(v[start:start + n], config.v_scale(layer), fmt))
-                if n:
+                keys.append(reference_dequantize(stored_basis(k[start:start + n], recipe, offset), config.k_scale(layer),
+                                                  fmt, offset))
+                values.append(reference_dequantize(stored_basis(v[start:start + n], recipe), config.v_scale(layer), fmt))
+                if n and recipe != "plain":
+                    # The cache holds the rotated values: attention in the rotated basis, rotated back.
+                    reference = rotated_attention_reference(
+                        q[start:start + n], torch.cat(keys)[None], torch.cat(values)[None],
+                        torch.zeros(1, 1, dtype=torch.int32), torch.tensor([cache.seq_len(s)]), torch.tensor([0, n]),
+                        head_size**-0.5, product_dtype=product_dtype)
+                    assert_within(out[start:start + n], add_output_rounding(reference, model_dtype),
+                                  f"sequence {s}, layer {layer}, {counts} new tokens")
+                elif n:
                     ref = reference_attention(q[start:start + n], torch.cat(keys), torch.cat(values),
                                               head_size**-0.5, cache.seq_len(s))
                     if product_dtype is None:
@@ -249,11 +280,13 @@ def test_paged_attention_over_steps_matches_float64_reference(device, fmt, layou
     table = cache.allocator.blocks("b")
     stored = torch.stack([key_cache[table[p // block_size], p % block_size] for p in range(cache.seq_len("b"))]).cpu()
     scale = config.k_scale(1)[:, None] if fmt.is_fp8 else torch.ones(1, 1)
-    assert torch.equal(stored.double() * scale.double(), torch.cat(history[("b", 1)][0]))
+    offset = config.k_offset(1)
+    expected = torch.cat(history[("b", 1)][0]) - (0 if offset is None else offset.double())
+    assert torch.equal(stored.double() * scale.double(), expected)
 
 
 def test_scales_never_change_in_forward():
-    config = KVCacheConfig("fp8_e4m3fn", [(0.5, 0.25)], [(0.125,)])
+    config = KVCacheConfig("fp8_e4m3fn", [(0.5, 0.25)], [(0.125,)], rotation="none")
     module = PagedAttention(4, 2, 8, config, 0)
     before = (module.k_scale.clone(), module.v_scale.clone())
     cache = PagedKVCache(config, num_kv_heads=2, head_size=8, num_blocks=4)
@@ -265,20 +298,48 @@ def test_scales_never_change_in_forward():
     assert module.k_scale.tolist() == [0.5, 0.25] and module.v_scale.tolist() == [0.125, 0.125]
 
 
-def test_module_and_cache_formats_must_agree():
-    module = PagedAttention(2, 2, 8, "fp8_e4m3fn", 0)
-    cache = PagedKVCache("fp8_e5m2", num_layers=1, num_kv_heads=2, head_size=8, num_blocks=2)
+@pytest.mark.parametrize("module_cache, cache_cache, message", [
+    (("fp8_e4m3fn", "none"), ("fp8_e5m2", "none"),
+     "layer 0 is float8_e4m3fn with rotation 'none' but the cache is float8_e5m2 with rotation 'none'"),
+    (("fp8_e4m3fn", "hadamard"), ("fp8_e4m3fn", "none"),
+     "layer 0 is float8_e4m3fn with rotation 'hadamard' but the cache is float8_e4m3fn with rotation 'none'"),
+])
+def test_module_and_cache_recipes_must_agree(module_cache, cache_cache, message):
+    module = PagedAttention(2, 2, 16, module_cache[0], 0, rotation=module_cache[1])
+    cache = PagedKVCache(cache_cache[0], num_layers=1, num_kv_heads=2, head_size=16, num_blocks=2,
+                         rotation=cache_cache[1])
     cache.add_sequence(0)
-    x = torch.randn(1, 2, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="layer 0 is float8_e4m3fn but the cache is float8_e5m2"):
+    x = torch.randn(1, 2, 16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
         module(x, x, x, cache, cache.prepare([0], [1]))
+
+
+@pytest.mark.parametrize("kv_cache, rotation, expected", [
+    ("fp8_e4m3fn", None, Rotation.HADAMARD), ("fp8_e5m2", "none", Rotation.NONE), ("auto", None, Rotation.NONE),
+    (KVCacheConfig.unit_scales("fp8_e4m3fn", 1), None, Rotation.HADAMARD),
+    (KVCacheConfig.unit_scales("fp8_e4m3fn", 1, rotation="none"), None, Rotation.NONE),
+])
+def test_fp8_caches_are_rotated_by_default(kv_cache, rotation, expected):
+    assert PagedAttention(2, 2, 64, kv_cache, 0, rotation=rotation).rotation is expected
+    cache = PagedKVCache(kv_cache, num_layers=None if isinstance(kv_cache, KVCacheConfig) else 1, num_kv_heads=2,
+                         head_size=64, num_blocks=1, rotation=rotation)
+    assert cache.rotation is expected
 
 
 def test_module_argument_errors():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         PagedAttention(3, 2, 8, "auto", 0)
     with pytest.raises(ValueError, match="k_scale has 3 values; expected 1 or num_kv_heads=2"):
-        PagedAttention(2, 2, 8, KVCacheConfig("fp8_e4m3fn", [(1.0, 1.0, 1.0)], [(1.0,)]), 0)
+        PagedAttention(2, 2, 8, KVCacheConfig("fp8_e4m3fn", [(1.0, 1.0, 1.0)], [(1.0,)], rotation="none"), 0)
+    with pytest.raises(ValueError, match="needs a head size divisible by 16.*got 40; use rotation='none'"):
+        PagedAttention(2, 2, 40, "fp8_e4m3fn", 0)
+    with pytest.raises(ValueError, match="an unquantized cache stores K/V as they are; rotation must be 'none'"):
+        PagedAttention(2, 2, 64, "auto", 0, rotation="hadamard")
+    with pytest.raises(ValueError, match="a KVCacheConfig carries its own recipe"):
+        PagedAttention(2, 2, 64, KVCacheConfig.unit_scales("fp8_e4m3fn", 1), 0, rotation="none")
+    offsets = [torch.zeros(3, 64)]
+    with pytest.raises(ValueError, match=r"k_offsets\[0\] has shape \[3, 64\]; expected \[num_kv_heads, head_size\] = \[2, 64\]"):
+        PagedAttention(2, 2, 64, KVCacheConfig("fp8_e4m3fn", [(1.0,)], [(1.0,)], k_offsets=offsets), 0)
 
 
 # ----------------------------------------------------------------------------- state dict
@@ -292,6 +353,10 @@ class ToyAttention(nn.Module):
         self.k_proj = nn.Linear(8, 8, bias=False)
         self.v_proj = nn.Linear(8, 8, bias=False)
         self.attn = PagedAttention(8, num_kv_heads, 2, kv_cache, layer, **kwargs)
+
+
+# Checkpoint scales are plain-recipe scales: the state dict tests use plain layers.
+PLAIN = dict(rotation="none")
 
 
 class ToyModel(nn.Module):
@@ -323,7 +388,7 @@ HEADS = [0.5, 0.25, 0.125, 1.0]
      [0.5] * 4, [0.125] * 4),
 ])
 def test_checkpoint_names_land_in_the_buffers(scales, k_expected, v_expected):
-    model = map_checkpoint_scale_names(ToyModel("fp8_e4m3fn"))
+    model = map_checkpoint_scale_names(ToyModel("fp8_e4m3fn", **PLAIN))
     result = model.load_state_dict(_checkpoint(scales), strict=True)
     assert not result.missing_keys and not result.unexpected_keys
     for layer in range(2):
@@ -333,7 +398,7 @@ def test_checkpoint_names_land_in_the_buffers(scales, k_expected, v_expected):
 
 
 def test_module_names_load_without_the_mapping():
-    model = ToyModel("fp8_e4m3fn")
+    model = ToyModel("fp8_e4m3fn", **PLAIN)
     model.load_state_dict(_checkpoint({"attn.kv_scale": torch.tensor(0.5)}))
     assert model.layers[1]["self_attn"].attn.k_scale.tolist() == [1.0] * 4
     assert model.layers[1]["self_attn"].attn.v_scale.tolist() == [1.0] * 4
@@ -348,7 +413,7 @@ def test_module_names_load_without_the_mapping():
     ("auto", "float8_e4m3fn", 1.0),
 ])
 def test_state_dict_scales_are_converted_to_the_cache_format(cache, calibrated_for, factor):
-    model = map_checkpoint_scale_names(ToyModel(cache, scales_calibrated_for=calibrated_for))
+    model = map_checkpoint_scale_names(ToyModel(cache, scales_calibrated_for=calibrated_for, **PLAIN))
     model.load_state_dict(_checkpoint({"k_scale": torch.tensor(HEADS), "v_scale": torch.tensor(0.5)}))
     assert model.layers[0]["self_attn"].attn.k_scale.tolist() == [h * factor for h in HEADS]
     assert model.layers[0]["self_attn"].attn.v_scale.tolist() == [0.5 * factor] * 4
@@ -359,7 +424,7 @@ def test_state_dict_scales_are_sliced_for_the_rank(num_kv_heads, tp_size, checkp
     global_scales = [0.5 * (h + 1) for h in range(checkpoint_heads)]
     for rank in range(tp_size):
         model = map_checkpoint_scale_names(ToyModel("fp8_e4m3fn", num_kv_heads=num_kv_heads, tp_rank=rank,
-                                                    tp_size=tp_size))
+                                                    tp_size=tp_size, **PLAIN))
         model.load_state_dict(_checkpoint({"k_scale": torch.tensor(global_scales), "v_scale": torch.tensor(1.0)}))
         if checkpoint_heads >= tp_size:
             heads = range(rank * num_kv_heads, (rank + 1) * num_kv_heads)
@@ -378,20 +443,33 @@ def test_state_dict_scales_are_sliced_for_the_rank(num_kv_heads, tp_size, checkp
      "layers.0.self_attn.k_proj.k_scale", "conflicts with another scale"),
 ])
 def test_bad_state_dict_scales_are_errors_naming_the_key(scales, key, message):
-    model = map_checkpoint_scale_names(ToyModel("fp8_e4m3fn"))
+    model = map_checkpoint_scale_names(ToyModel("fp8_e4m3fn", **PLAIN))
     with pytest.raises(CheckpointError, match=message) as info:
         model.load_state_dict(_checkpoint(scales))
     assert key in str(info.value)
 
 
 def test_state_dict_round_trip():
-    config = KVCacheConfig("fp8_e4m3fn", [(0.5, 0.25, 0.125, 1.0), (2.0,)], [(0.25,), (0.5,)])
+    config = KVCacheConfig("fp8_e4m3fn", [(0.5, 0.25, 0.125, 1.0), (2.0,)], [(0.25,), (0.5,)], rotation="none")
     source = map_checkpoint_scale_names(ToyModel(config))
     state = source.state_dict()
     assert state["layers.0.self_attn.attn.k_scale"].tolist() == [0.5, 0.25, 0.125, 1.0]
-    target = map_checkpoint_scale_names(ToyModel("fp8_e4m3fn"))
+    target = map_checkpoint_scale_names(ToyModel("fp8_e4m3fn", **PLAIN))
     target.load_state_dict(state)
     assert target.layers[1]["self_attn"].attn.k_scale.tolist() == [2.0] * 4
+
+
+def test_rotated_layers_refuse_plain_checkpoint_scales():
+    """A checkpoint's k_scale / v_scale are the plain recipe's: a rotated layer's scales come with its
+    KVCacheConfig; its own state dict still round-trips."""
+    model = map_checkpoint_scale_names(ToyModel("fp8_e4m3fn", num_kv_heads=4, **PLAIN))
+    model.layers[0]["self_attn"].attn = PagedAttention(8, 4, 16, "fp8_e4m3fn", 0)
+    model.layers[1]["self_attn"].attn = PagedAttention(8, 4, 16, "fp8_e4m3fn", 1)
+    with pytest.raises(CheckpointError, match=r"layers\.0\.self_attn\.k_scale.*plain-recipe scale.*rotated recipe"):
+        model.load_state_dict(_checkpoint({"k_scale": torch.tensor(0.5), "v_scale": torch.tensor(0.25)}))
+    state = {k: v * 2 if k.endswith("_scale") else v for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    assert model.layers[1]["self_attn"].attn.k_scale.tolist() == [2.0] * 4
 
 
 @pytest.mark.parametrize("seed", range(4))

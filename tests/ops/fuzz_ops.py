@@ -35,9 +35,11 @@ QUERY = (torch.float16, torch.bfloat16)
 ODD_DTYPES = (torch.int8, torch.int32, torch.int64, torch.float64, torch.bool, torch.uint8, *FP8, *SOURCE)
 HEAD_SIZES = (64, 128, 256)
 ARGUMENTS = {
-    "reshape_and_cache": ("key", "value", "key_cache", "value_cache", "slot_mapping", "k_scale", "v_scale"),
+    "reshape_and_cache": ("key", "value", "key_cache", "value_cache", "slot_mapping", "k_scale", "v_scale", "hadamard",
+                          "k_offset"),
     "paged_attention": ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "cu_seqlens_q",
-                        "softmax_scale", "k_scale", "v_scale", "sliding_window", "logits_soft_cap"),
+                        "softmax_scale", "k_scale", "v_scale", "sliding_window", "logits_soft_cap", "hadamard",
+                        "k_offset"),
     "kv_amax": ("key", "value", "k_amax", "v_amax"),
 }
 OUTPUTS = {"reshape_and_cache": ("key_cache", "value_cache"), "paged_attention": ("out",),
@@ -134,6 +136,14 @@ def scales(g: Guarded, rng, heads) -> list[torch.Tensor]:
     return [g.tensor([n], torch.float32, lambda s: torch.rand(s, generator=g._generator()) + 0.05) for _ in range(2)]
 
 
+def transform(g: Guarded, rng, heads, head_size, cache_dtype) -> dict:
+    """The rotated recipe's arguments: for an FP8 cache sometimes a rotation, an offset or both."""
+    if cache_dtype not in FP8:
+        return dict(hadamard=False, k_offset=None)
+    offset = g.randn([heads, head_size], torch.float32) if rng.random() < 0.4 else None
+    return dict(hadamard=rng.random() < 0.5, k_offset=offset)
+
+
 def source_pair(g: Guarded, rng, tokens, heads, head_size, dtype) -> list[torch.Tensor]:
     """key and value, plain or as slices of a fused QKV projection output."""
     if rng.random() < 0.5:
@@ -148,13 +158,14 @@ def valid_reshape_and_cache(g: Guarded, rng) -> dict:
     tokens = rng.choice((0, 1, 3, 8))
     src = rng.choice(SOURCE)
     key, value = source_pair(g, rng, tokens, heads, head_size, src)
-    key_cache, value_cache = caches(g, rng, num_blocks, block_size, heads, head_size, rng.choice((*FP8, src)))
+    cache_dtype = rng.choice((*FP8, src))
+    key_cache, value_cache = caches(g, rng, num_blocks, block_size, heads, head_size, cache_dtype)
     slots = rng.sample(range(num_blocks * block_size), min(tokens, num_blocks * block_size))
     slots = [s if rng.random() < 0.8 else -1 for s in slots]
     slot_mapping = g.tensor([len(slots)], torch.int64, torch.tensor(slots, dtype=torch.int64))
     k_scale, v_scale = scales(g, rng, heads)
     return dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
-                k_scale=k_scale, v_scale=v_scale)
+                k_scale=k_scale, v_scale=v_scale, **transform(g, rng, heads, head_size, cache_dtype))
 
 
 def valid_paged_attention(g: Guarded, rng) -> dict:
@@ -172,7 +183,8 @@ def valid_paged_attention(g: Guarded, rng) -> dict:
     rows = sum(q_lens)
     query = g.randn([rows, heads * group, head_size], qt)
     out = g.randn([rows, heads * group, head_size], qt)
-    key_cache, value_cache = caches(g, rng, num_blocks, block_size, heads, head_size, rng.choice((*FP8, qt)))
+    cache_dtype = rng.choice((*FP8, qt))
+    key_cache, value_cache = caches(g, rng, num_blocks, block_size, heads, head_size, cache_dtype)
     cu = [0]
     for q in q_lens:
         cu.append(cu[-1] + q)
@@ -181,7 +193,8 @@ def valid_paged_attention(g: Guarded, rng) -> dict:
                 seq_lens=g.tensor([num_seqs], torch.int32, torch.tensor(seq_lens, dtype=torch.int32)),
                 cu_seqlens_q=None if decode else g.tensor([num_seqs + 1], torch.int32, torch.tensor(cu, dtype=torch.int32)),
                 softmax_scale=head_size ** -0.5, k_scale=k_scale, v_scale=v_scale,
-                sliding_window=rng.choice((-1, -1, 1, 5, 40)), logits_soft_cap=rng.choice((0.0, 0.0, 30.0)))
+                sliding_window=rng.choice((-1, -1, 1, 5, 40)), logits_soft_cap=rng.choice((0.0, 0.0, 30.0)),
+                **transform(g, rng, heads, head_size, cache_dtype))
 
 
 def valid_kv_amax(g: Guarded, rng) -> dict:
@@ -215,8 +228,9 @@ def change_size(g, rng, args, name):
     size = rng.choice((0, 1, t.shape[dim] + 1, 2**31, 2**32 + 3))
     shape = list(t.shape)
     shape[dim] = size
-    if size >= 2**31:  # huge sizes only without memory: stride 0
-        args[name] = t.narrow(dim, 0, 1).expand(shape) if t.shape[dim] else t
+    if size >= 2**31:  # huge sizes only without memory: stride 0 (and an element count torch can hold)
+        if t.shape[dim] and math.prod(shape) < 2**62:
+            args[name] = t.narrow(dim, 0, 1).expand(shape)
     elif math.prod(shape) <= 1 << 20:
         args[name] = g.randn(shape, t.dtype) if t.is_floating_point() else \
             g.tensor(shape, t.dtype, lambda s: torch.randint(-3, 100, s))
@@ -271,14 +285,16 @@ def change_values(g, rng, args, name):
 
 
 def change_scalar(g, rng, args, name):
-    if name == "sliding_window":
+    if name == "hadamard":
+        args[name] = not args[name]
+    elif name == "sliding_window":
         args[name] = rng.choice(EXTREME_INTS)
     elif name in ("softmax_scale", "logits_soft_cap"):
         args[name] = rng.choice(EXTREME_FLOATS)
 
 
 def change_none(g, rng, args, name):
-    if name == "cu_seqlens_q":
+    if name in ("cu_seqlens_q", "k_offset"):
         args[name] = None
 
 

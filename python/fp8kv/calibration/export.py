@@ -12,7 +12,7 @@ import pathlib
 import shutil
 import struct
 from contextlib import nullcontext
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 
@@ -21,10 +21,12 @@ from ..checkpoint.config import CONFIG_FILE
 from ..checkpoint.files import read_json_object, read_safetensors_header
 from ..checkpoint.problems import CheckpointError, Problem
 from ..checkpoint.reading import read_checkpoint_scales
+from ..checkpoint.rotated_recipe import RECIPE_FILE, RotatedRecipe
 from ..checkpoint.scale_tensors import module_and_layer
 from ..checkpoint.tensor_files import INDEX_FILE, checkpoint_tensor_names
 from ..checkpoint.values import format_ranges
 from ..formats import KVCacheConfig, KVCacheDtype
+from ..rotation import Rotation
 
 SCALES_FILE = "kv_cache_scales.safetensors"
 SINGLE_FILE = "model.safetensors"
@@ -32,7 +34,8 @@ _STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
 
 
 def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, kv_cache: KVCacheConfig, *,
-                      module_template: str | None = None, group=None) -> pathlib.Path:
+                      rotated: KVCacheConfig | None = None, module_template: str | None = None,
+                      group=None) -> pathlib.Path:
     """Writes `kv_cache`'s scales (all KV heads) into a checkpoint; returns the output directory.
 
     model_dir: the source checkpoint (config.json + safetensors), without KV cache scales.
@@ -44,6 +47,8 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     model.safetensors (rewritten: transformers reads that file alone whenever it exists).
     config.json's quantization_config gets `kv_cache_scheme` (a new compressed-tensors
     quantization_config when there is none) and, for e4m3fnuz scales, `kv_cache_torch_dtype`.
+    kv_cache is the plain recipe's (what every engine reads); `rotated`, the rotated recipe's scales
+    and K offsets (docs/rotated_cache.md), go into fp8kv_kv_cache.json in the same commit.
     module_template: the attention module of layer {} (e.g. 'model.layers.{}.self_attn'); found from
         the k_proj / qkv_proj weight names when omitted.
     The export is all-or-nothing. In place, the changed files are committed together (see `fp8kv.commit`):
@@ -53,10 +58,17 @@ def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     Under torch.distributed only rank 0 of `group` writes, and every rank returns (or raises) once it is done.
     """
     source, out = pathlib.Path(model_dir), pathlib.Path(out_dir)
+    if kv_cache.rotation is not Rotation.NONE:
+        raise ValueError(f"kv_cache: the scales engines read are the plain recipe's; got a {kv_cache.recipe} config "
+                         "(pass it as rotated=)")
+    if rotated is not None and (rotated.rotation is not Rotation.HADAMARD or rotated.dtype is not kv_cache.dtype):
+        raise ValueError(f"rotated: must be a rotated recipe for {kv_cache.dtype.value}, got a {rotated.recipe} "
+                         f"{rotated.dtype.value} config")
+    contents = _Contents(kv_cache, rotated, module_template)
     if out.exists() and out.resolve() == source.resolve():
-        write = functools.partial(_export_in_place, source, kv_cache, module_template)
+        write = functools.partial(_export_in_place, source, contents)
     else:
-        write = functools.partial(_export_copy, source, out, kv_cache, module_template)
+        write = functools.partial(_export_copy, source, out, contents)
     distributed.on_writer(write, group)
     return out
 
@@ -73,21 +85,30 @@ def scales_file(model_dir: str | os.PathLike) -> str:
                      "reads could take the scales")
 
 
-def _export_in_place(directory: pathlib.Path, kv_cache: KVCacheConfig, module_template) -> None:
+class _Contents(NamedTuple):
+    """What an export writes: the plain recipe's scales, the rotated recipe's (or None), and the
+    attention module template (None: found from the weight names)."""
+
+    kv_cache: KVCacheConfig
+    rotated: KVCacheConfig | None
+    module_template: str | None
+
+
+def _export_in_place(directory: pathlib.Path, contents: _Contents) -> None:
     with commit.locked(directory):
         commit.recover(directory)  # an interrupted export first: it decides what the checkpoint holds
-        tensors = _checked_scale_tensors(directory, kv_cache, module_template, in_place=True)
-        if tensors is not None:
-            commit.replace_files(directory, _writers(directory, tensors, kv_cache))
+        files = _checked_contents(directory, contents, in_place=True)
+        if files is not None:
+            commit.replace_files(directory, _writers(directory, *files, contents.kv_cache))
 
 
-def _export_copy(source: pathlib.Path, out: pathlib.Path, kv_cache: KVCacheConfig, module_template) -> None:
+def _export_copy(source: pathlib.Path, out: pathlib.Path, contents: _Contents) -> None:
     # A missing source is reported by the checkpoint reader, by name.
     with commit.locked(source, shared=True) if source.is_dir() else nullcontext():
         if commit.committed_files(source) is not None:
             raise ValueError(f"{source} holds an interrupted export ({commit.JOURNAL}): export into it in place "
                              "again to finish it")
-        tensors = _checked_scale_tensors(source, kv_cache, module_template, in_place=False)
+        files = _checked_contents(source, contents, in_place=False)
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise FileExistsError(f"output directory {out} exists and is not empty")
         if out.resolve().is_relative_to(source.resolve()):
@@ -95,52 +116,66 @@ def _export_copy(source: pathlib.Path, out: pathlib.Path, kv_cache: KVCacheConfi
                              f"contain itself; write it elsewhere, or into {source} itself to add the scales in place")
         with commit.new_directory(out) as stage:
             _copy(source, stage, out)
-            commit.replace_files(stage, _writers(stage, tensors, kv_cache))
+            commit.replace_files(stage, _writers(stage, *files, contents.kv_cache))
 
 
-def _checked_scale_tensors(directory: pathlib.Path, kv_cache: KVCacheConfig, module_template, *,
-                           in_place: bool) -> dict[str, torch.Tensor] | None:
-    """The scale tensors to write into `directory` after every check; None when an in-place export
-    finds them there already (declared as this export declares them)."""
+def _checked_contents(directory: pathlib.Path, contents: _Contents, *,
+                      in_place: bool) -> tuple[dict[str, torch.Tensor], RotatedRecipe | None] | None:
+    """The scale tensors and the rotated recipe's file to write into `directory` after every check;
+    None when an in-place export finds them there already (declared as this export declares them)."""
+    kv_cache = contents.kv_cache
     found = read_checkpoint_scales(directory)
     if found.problems:
         raise CheckpointError(found.problems)
     _check_geometry(kv_cache, found.num_layers, found.num_kv_heads, directory)
-    tensors = _scale_tensors(kv_cache, _module_template(directory, found.num_layers, module_template))
-    if found.has_scales or found.declared:
-        if in_place and _holds(directory, found, tensors, kv_cache):
+    tensors = _scale_tensors(kv_cache, _module_template(directory, found.num_layers, contents.module_template))
+    recipe = None
+    if contents.rotated is not None:
+        _check_geometry(contents.rotated, found.num_layers, found.num_kv_heads, directory)
+        if found.head_size is None:
+            raise ValueError(f"{directory}/{CONFIG_FILE} gives no head size (head_dim, or hidden_size and "
+                             f"num_attention_heads), which {RECIPE_FILE} records")
+        recipe = RotatedRecipe(kv_cache.dtype, found.head_size, found.num_kv_heads, contents.rotated.k_scales,
+                               contents.rotated.v_scales, contents.rotated.k_offsets)
+    if found.has_scales or found.declared or found.rotated is not None:
+        if in_place and _holds(directory, found, tensors, recipe, kv_cache):
             return None
-        raise ValueError(f"{directory} already has KV cache scales ({', '.join(found.forms + found.declared)}); "
-                         "calibrate from the checkpoint without them")
-    if scales_file(directory) == SCALES_FILE and (directory / SCALES_FILE).exists():
-        raise FileExistsError(f"{directory / SCALES_FILE} already exists")
-    return tensors
+        forms = found.forms + found.declared + ((RECIPE_FILE,) if found.rotated is not None else ())
+        raise ValueError(f"{directory} already has KV cache scales ({', '.join(forms)}); calibrate from the "
+                         "checkpoint without them")
+    for name in (SCALES_FILE, RECIPE_FILE):
+        if (name == RECIPE_FILE or scales_file(directory) == SCALES_FILE) and (directory / name).exists():
+            raise FileExistsError(f"{directory / name} already exists")
+    return tensors, recipe
 
 
-def _holds(directory: pathlib.Path, found, tensors: dict[str, torch.Tensor], kv_cache: KVCacheConfig) -> bool:
+def _holds(directory: pathlib.Path, found, tensors: dict[str, torch.Tensor], recipe: RotatedRecipe | None,
+           kv_cache: KVCacheConfig) -> bool:
     stored = {scale.tensor: scale.values for scale in (*found.k, *found.v)}
     wanted = {name: tuple(t.flatten().tolist()) for name, t in tensors.items()}
     quant = read_json_object(directory / CONFIG_FILE).get("quantization_config")
-    return (stored == wanted and found.calibrated_for is kv_cache.dtype and isinstance(quant, dict)
-            and quant == _quantization_config(quant, kv_cache))
+    return (stored == wanted and found.rotated == recipe and found.calibrated_for is kv_cache.dtype
+            and isinstance(quant, dict) and quant == _quantization_config(quant, kv_cache))
 
 
-def _writers(directory: pathlib.Path, tensors: dict[str, torch.Tensor], kv_cache: KVCacheConfig) -> dict:
-    """{file name: writer} for the files the export changes, in commit order. config.json, which
-    declares the scales (and e4m3fnuz), comes before the file that makes them visible (the index or
-    model.safetensors): a reader that ignores the commit journal then never reads undeclared scales
-    (e4m3fnuz scales as e4m3fn), it finds the declared ones missing."""
+def _writers(directory: pathlib.Path, tensors: dict[str, torch.Tensor], recipe: RotatedRecipe | None,
+             kv_cache: KVCacheConfig) -> dict:
+    """{file name: writer} for the files the export changes, in commit order. The rotated recipe's
+    file and config.json, which declares the scales (and e4m3fnuz), come before the file that makes
+    them visible (the index or model.safetensors): a reader that ignores the commit journal then
+    never reads undeclared scales (e4m3fnuz scales as e4m3fn), it finds the declared ones missing."""
     config = read_json_object(directory / CONFIG_FILE)
     config["quantization_config"] = _quantization_config(config.get("quantization_config"), kv_cache)
+    first = {RECIPE_FILE: commit.json_writer(recipe.to_json())} if recipe is not None else {}
     if scales_file(directory) == SINGLE_FILE:
         rewrite = functools.partial(_write_safetensors, tensors=tensors, base=directory / SINGLE_FILE)
-        return {CONFIG_FILE: commit.json_writer(config), SINGLE_FILE: rewrite}
+        return {**first, CONFIG_FILE: commit.json_writer(config), SINGLE_FILE: rewrite}
     index = read_json_object(directory / INDEX_FILE)
     index["weight_map"].update(dict.fromkeys(tensors, SCALES_FILE))
     metadata = index.get("metadata")
     if isinstance(metadata, dict) and isinstance(metadata.get("total_size"), int):
         metadata["total_size"] += sum(t.numel() * t.element_size() for t in tensors.values())
-    return {SCALES_FILE: functools.partial(_write_safetensors, tensors=tensors),
+    return {**first, SCALES_FILE: functools.partial(_write_safetensors, tensors=tensors),
             CONFIG_FILE: commit.json_writer(config), INDEX_FILE: commit.json_writer(index)}
 
 

@@ -11,6 +11,8 @@ import torch
 
 from .. import distributed, ops
 from ..checkpoint.values import format_ranges
+from ..rotation import MIN_BLOCK, hadamard_block
+from .rotated import RotatedAmax, RotatedObserver
 from .scales import CalibrationError, KVAmax
 
 GRANULARITIES = ("tensor", "head")
@@ -22,7 +24,8 @@ def check_granularity(granularity: str) -> None:
 
 
 class KVCalibrator:
-    """Running max |K| and max |V| of every layer, per tensor or per KV head.
+    """Running max |K| and max |V| of every layer, per tensor or per KV head, and the rotated
+    recipe's statistics (calibration.rotated) where the head size has a rotation.
 
     num_layers, num_kv_heads: the model's (global) layer and KV head counts.
     granularity: 'tensor' (one maximum per layer) or 'head' (one per KV head).
@@ -37,6 +40,7 @@ class KVCalibrator:
         self.num_layers, self.num_kv_heads, self.granularity = num_layers, num_kv_heads, granularity
         self._k_amax: list[torch.Tensor | None] = [None] * num_layers
         self._v_amax: list[torch.Tensor | None] = [None] * num_layers
+        self._rotated: list[RotatedObserver | None] = [None] * num_layers
         self.num_tokens = [0] * num_layers
 
     @classmethod
@@ -61,9 +65,13 @@ class KVCalibrator:
         if self._k_amax[layer] is None:
             self._k_amax[layer] = torch.zeros(width, dtype=torch.float32, device=key.device)
             self._v_amax[layer] = torch.zeros(width, dtype=torch.float32, device=key.device)
+            if hadamard_block(key.shape[2]) >= MIN_BLOCK:
+                self._rotated[layer] = RotatedObserver(key.shape[1], key.shape[2], key.device)
         elif self._k_amax[layer].numel() != width:
             raise ValueError(f"layer {layer}: observed {key.shape[1]} KV heads, earlier {self._k_amax[layer].numel()}")
         ops.kv_amax(key, value, self._k_amax[layer], self._v_amax[layer])
+        if self._rotated[layer] is not None:
+            self._rotated[layer].observe(key, value)
         self.num_tokens[layer] += key.shape[0]
 
     def result(self, group=None) -> KVAmax:
@@ -88,7 +96,10 @@ class KVCalibrator:
             raise ValueError(f"observed {amax.shape[-1]} KV heads per layer, the model has {self.num_kv_heads} "
                              "(a tensor-parallel shard needs torch.distributed initialized to gather the others)")
         k, v = (tuple(tuple(row) for row in part.tolist()) for part in amax)
-        return KVAmax(k, v, self.num_tokens[0])
+        rotated = None
+        if self._rotated[0] is not None:
+            rotated = RotatedAmax.gather(self._rotated, self.num_kv_heads, group)
+        return KVAmax(k, v, self.num_tokens[0], rotated)
 
 
 def calibrate(model, batches: Iterable[torch.Tensor], *, granularity: str = "tensor", progress: bool = True,

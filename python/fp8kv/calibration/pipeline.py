@@ -14,6 +14,7 @@ import torch
 
 from ..checkpoint.config import CONFIG_FILE
 from ..checkpoint.legacy_json import LEGACY_JSON_FILE
+from ..checkpoint.rotated_recipe import RECIPE_FILE
 from ..formats import KVCacheConfig, KVCacheDtype
 from ..loading import load_causal_lm
 from .export import export_checkpoint, export_legacy_json, scales_file
@@ -28,14 +29,17 @@ STEPS = ("load", "observe", "scales", "export", "legacy_json")
 class CheckpointCalibration:
     """What `calibrate_checkpoint` measured and wrote.
 
-    amax: the K/V maxima over the batches; kv_cache: the scales made of them (format, per-layer K
-    and V scales); margin: the margin they were made with. out_dir: the checkpoint holding the
-    scales, in its file scales_file; legacy_json: the legacy JSON file written too, or None.
+    amax: the K/V maxima over the batches; kv_cache: the plain recipe's scales made of them (format,
+    per-layer K and V scales); rotated: the rotated + centred recipe's (docs/rotated_cache.md), or
+    None where the head size has no rotation; margin: the margin they were made with. out_dir: the
+    checkpoint holding the scales, in its file scales_file (the rotated recipe's in
+    fp8kv_kv_cache.json); legacy_json: the legacy JSON file written too, or None.
     device, model_dtype: where and in which dtype the model ran.
     """
 
     amax: KVAmax
     kv_cache: KVCacheConfig
+    rotated: KVCacheConfig | None
     margin: float
     out_dir: pathlib.Path
     scales_file: pathlib.Path
@@ -53,8 +57,16 @@ class CheckpointCalibration:
         for layer in range(kv_cache.num_layers):
             lines.append(f"{layer:>5}  {max(amax.k[layer]):>10.4g} {max(kv_cache.k_scales[layer]):>11.4g}  "
                          f"{max(amax.v[layer]):>10.4g} {max(kv_cache.v_scales[layer]):>11.4g}")
+        if self.rotated is not None:
+            lines += ["", "rotated + centred recipe (the default for FP8 caches):",
+                      f"{'layer':>5}  {'K scale':>11} {'V scale':>11}  {'max |K offset|':>14}   (largest over heads)"]
+            for layer in range(self.rotated.num_layers):
+                offset = max(abs(x) for row in self.rotated.k_offsets[layer] for x in row)
+                lines.append(f"{layer:>5}  {max(self.rotated.k_scales[layer]):>11.4g} "
+                             f"{max(self.rotated.v_scales[layer]):>11.4g}  {offset:>14.4g}")
         legacy_json = f" and {self.legacy_json}" if self.legacy_json is not None else ""
-        lines += ["", f"wrote {self.out_dir} (scales in {self.scales_file.name}, declared in {CONFIG_FILE})"
+        rotated = f", the rotated recipe's in {RECIPE_FILE}" if self.rotated is not None else ""
+        lines += ["", f"wrote {self.out_dir} (scales in {self.scales_file.name}, declared in {CONFIG_FILE}{rotated})"
                   + legacy_json]
         return "\n".join(lines)
 
@@ -106,10 +118,13 @@ def calibrate_checkpoint(model_dir: str | os.PathLike, batches: Iterable[torch.T
         amax = calibrate(model, batches, granularity=granularity, progress=progress)
     with step("scales"):
         kv_cache = amax.scales(fmt, margin=margin, zero_amax=zero_amax)
+        rotated = None
+        if amax.rotated is not None:
+            rotated = amax.rotated.kv_cache(fmt, granularity, margin=margin, zero_amax=zero_amax)
     with step("export"):
-        out = export_checkpoint(model_dir, out_dir, kv_cache)
+        out = export_checkpoint(model_dir, out_dir, kv_cache, rotated=rotated)
     if legacy_json is not None:
         with step("legacy_json"):
             export_legacy_json(legacy_json, kv_cache, model_type=getattr(model.config, "model_type", None))
-    return CheckpointCalibration(amax, kv_cache, margin, out, out / scales_file(out), legacy_json, device,
+    return CheckpointCalibration(amax, kv_cache, rotated, margin, out, out / scales_file(out), legacy_json, device,
                                  model.dtype)

@@ -5,10 +5,15 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..formats import KVCacheConfig, KVCacheDtype
+from ..rotation import Rotation
+
+if TYPE_CHECKING:
+    from .rotated import RotatedAmax
 
 ZERO_AMAX_POLICIES = ("error", "unit")
 
@@ -39,12 +44,14 @@ def check_scale_arguments(fmt: KVCacheDtype | str, margin: float, zero_amax: str
 class KVAmax:
     """max |K| and max |V| per layer: 1 value (per tensor) or num_kv_heads values in global head order.
 
-    num_tokens: how many tokens this rank observed (per layer).
+    num_tokens: how many tokens this rank observed (per layer). rotated: the rotated recipe's
+    statistics (calibration.rotated), or None where the head size has no rotation.
     """
 
     k: tuple[tuple[float, ...], ...]
     v: tuple[tuple[float, ...], ...]
     num_tokens: int = 0
+    rotated: RotatedAmax | None = None
 
     @property
     def granularity(self) -> str:
@@ -52,7 +59,8 @@ class KVAmax:
 
     def scales(self, fmt: KVCacheDtype | str = KVCacheDtype.E4M3FN, *, margin: float = 1.0,
                zero_amax: str = "error") -> KVCacheConfig:
-        """Dequantization scales s = amax * margin / max_finite(fmt), rounded to float32, for all heads.
+        """The plain recipe's dequantization scales s = amax * margin / max_finite(fmt), rounded to
+        float32, for all heads (the rotated recipe's: `rotated.kv_cache`).
 
         fmt: the format the scales are calibrated for: float8_e4m3fn (loads as e4m3fn, e4m3fnuz x2,
             e5m2 as is) or float8_e4m3fnuz.
@@ -74,7 +82,7 @@ class KVAmax:
         if zeros:
             warnings.warn(f"fp8kv: all-zero calibration maxima get scale 1.0: {', '.join(zeros)}", stacklevel=2)
             source += f"; scale 1.0 for all-zero {', '.join(zeros)}"
-        return KVCacheConfig(fmt, k, v, source)
+        return KVCacheConfig(fmt, k, v, source, Rotation.NONE)
 
     def _scales(self, kind: str, layers, fmt: KVCacheDtype, margin: float, problems: list, zeros: list):
         result = []

@@ -59,6 +59,18 @@ def model_geometry(reader: Reader, config: dict, num_layers: int | None, num_kv_
     return result
 
 
+def model_head_size(config: dict) -> int | None:
+    """The attention head size config.json gives (head_dim, or hidden_size / num_attention_heads, in
+    it or its text_config); None when it gives neither as positive integers."""
+    for source in (config, config.get("text_config") if isinstance(config.get("text_config"), dict) else {}):
+        head_dim, hidden, heads = (source.get(n) for n in ("head_dim", "hidden_size", "num_attention_heads"))
+        if is_int(head_dim) and head_dim > 0:
+            return head_dim
+        if is_int(hidden) and is_int(heads) and hidden > 0 and heads > 0 and hidden % heads == 0:
+            return hidden // heads
+    return None
+
+
 def quantization_hints(reader: Reader, config: dict) -> tuple[list[str], bool, str | None, list]:
     """Checks the config hints. Returns (declared schemes, scales required, granularity, dtype hints)."""
     path = reader.path(CONFIG_FILE)

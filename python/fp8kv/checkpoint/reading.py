@@ -8,10 +8,11 @@ import pathlib
 from dataclasses import dataclass
 
 from ..formats import KVCacheDtype
-from .config import CONFIG_FILE, check_geometry_arguments, model_geometry, quantization_hints
+from .config import CONFIG_FILE, check_geometry_arguments, model_geometry, model_head_size, quantization_hints
 from .files import Reader, open_directory
 from .legacy_json import legacy_json_path, read_legacy_json
 from .problems import Fatal, Problem
+from .rotated_recipe import RECIPE_FILE, RotatedRecipe, read_rotated_recipe
 from .scale_tensors import FoundScale, tensor_scales
 from .values import show
 
@@ -21,7 +22,9 @@ class CheckpointScales:
     """Everything a checkpoint says about its KV cache scales, before any per-rank conversion.
 
     k, v: per layer (empty when the checkpoint has no scale tensors). legacy_json: the JSON file's
-    per-rank per-layer scales (empty when there is none). problems: everything found wrong.
+    per-rank per-layer scales (empty when there is none). head_size: config.json's (None when it
+    does not say). rotated: the rotated recipe's scales and offsets (None without fp8kv_kv_cache.json).
+    problems: everything found wrong.
     read: what could be read, in order: "config" (config.json: the model and what it declares),
     "scales" (the scale tensors); a reading stopped by a problem leaves the rest out.
     """
@@ -37,6 +40,8 @@ class CheckpointScales:
     v: tuple[FoundScale, ...]
     legacy_json: str | None
     legacy_json_scales: tuple[tuple[float, ...], ...]
+    head_size: int | None
+    rotated: RotatedRecipe | None
     problems: tuple[Problem, ...]
     read: tuple[str, ...]
 
@@ -67,7 +72,7 @@ class CheckpointScales:
                          "first); e5m2 and unquantized caches need none")
         if self.problems:
             return lines + ["", f"{len(self.problems)} problem(s):"] + [f"  - {p}" for p in self.problems]
-        return lines + ["", "no problems found"]
+        return lines + self._rotated_lines() + ["", "no problems found"]
 
     def _scale_table(self) -> list[str]:
         per_head = any(len(s.values) > 1 for s in (*self.k, *self.v))
@@ -76,6 +81,23 @@ class CheckpointScales:
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
             for kind, scale in (("K", k), ("V", v)):
                 lines.append(f"{layer:>5}  {kind:4}  {_values(scale.values)}    ({scale.tensor})")
+        return lines
+
+
+    def _rotated_lines(self) -> list[str]:
+        recipe = self.rotated
+        if recipe is None:
+            fallback = "the plain scales times sqrt(block size)" if self.has_scales else "scale 1.0"
+            return ["", f"rotated recipe:  no {RECIPE_FILE}: the rotated recipe (an FP8 cache's default) takes "
+                        f"{fallback}"]
+        offsets = "with K offsets (rotated + centred)" if recipe.k_offsets is not None else "no K offsets"
+        lines = ["", f"rotated recipe:  {RECIPE_FILE}: Hadamard rotation, head size {recipe.head_size}, {offsets}, "
+                     f"calibrated for {recipe.calibrated_for.value}", f"{'layer':>5}  {'kind':4}  scales"]
+        for layer, (k, v) in enumerate(zip(recipe.k_scales, recipe.v_scales)):
+            offset = ""
+            if recipe.k_offsets is not None:
+                offset = f"    (K offset: largest |mu| {max(abs(x) for row in recipe.k_offsets[layer] for x in row):.4g})"
+            lines += [f"{layer:>5}  {'K':4}  {_values(k)}{offset}", f"{layer:>5}  {'V':4}  {_values(v)}"]
         return lines
 
 
@@ -101,7 +123,8 @@ def read_checkpoint_scales(
     check_geometry_arguments(num_layers, num_kv_heads)
     reader = Reader(pathlib.Path(checkpoint_dir))
     state = dict(model_type=None, num_layers=num_layers, num_kv_heads=num_kv_heads, calibrated_for=KVCacheDtype.E4M3FN,
-                 declared=(), forms=(), k=(), v=(), legacy_json=None, legacy_json_scales=(), read=())
+                 declared=(), forms=(), k=(), v=(), legacy_json=None, legacy_json_scales=(), head_size=None,
+                 rotated=None, read=())
     try:
         _read_into(reader, state, scales_json)
     except Fatal:
@@ -122,7 +145,7 @@ def _read_into(reader: Reader, state: dict, scales_json) -> None:
     num_layers, num_kv_heads = model_geometry(reader, config, state["num_layers"], state["num_kv_heads"])
     state["num_layers"], state["num_kv_heads"] = num_layers, num_kv_heads
     declared, required, granularity, dtype_hints = quantization_hints(reader, config)
-    state.update(declared=tuple(declared), read=("config",))
+    state.update(declared=tuple(declared), head_size=model_head_size(config), read=("config",))
 
     (k, v), forms = tensor_scales(reader, num_layers, num_kv_heads, granularity)
     state.update(forms=forms, k=k, v=v, read=("config", "scales"))
@@ -150,3 +173,4 @@ def _read_into(reader: Reader, state: dict, scales_json) -> None:
     elif formats:
         state["calibrated_for"] = formats.pop()
     state.update(forms=forms)
+    state["rotated"] = read_rotated_recipe(reader, num_layers, num_kv_heads, state["head_size"])

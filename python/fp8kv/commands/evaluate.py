@@ -27,10 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, nargs="+", metavar="FILE", type=arguments.input_file,
                         help="text file(s), concatenated in order, e.g. /usr/share/common-licenses/GPL-3")
     parser.add_argument("--kv-cache-dtype", nargs="+", metavar="CACHE", type=_cache,
-                        help="FP8 caches to score besides the unquantized one, each FORMAT or FORMAT-SOURCE: FORMAT "
-                        f"one of {format_names(arguments.FP8)}; SOURCE where the scales come from: none for 1.0, "
-                        "checkpoint (--scales, or the model's own), tensor or head (calibrated on the windows, per "
-                        f"tensor or per KV head). Default: {' '.join(CACHES)} (e4m3-checkpoint only with scales)")
+                        help="FP8 caches to score besides the unquantized one, each FORMAT[-RECIPE][-SOURCE]: FORMAT "
+                        f"one of {format_names(arguments.FP8)}; RECIPE how K/V are stored: none for plain, rotated, "
+                        "centred (rotated + centred, docs/rotated_cache.md); SOURCE where the scales (and a centred "
+                        "cache's K offsets) come from: none for 1.0 (offsets calibrated on the windows), checkpoint "
+                        "(--scales, or the model's own), tensor or head (calibrated on the windows, per tensor or per "
+                        f"KV head). Default: {' '.join(CACHES)} (the checkpoint ones where it has their scales)")
     parser.add_argument("--scales", metavar="CKPT", help="checkpoint whose KV cache scales the -checkpoint caches use "
                         "(default: the model's own)")
     parser.add_argument("--seq-len", type=arguments.positive_int, default=2048,

@@ -1,9 +1,12 @@
 """The KV caches an evaluation can score, by name, and their configs for a model.
 
-A cache is named FORMAT or FORMAT-SOURCE: FORMAT any FP8 format name (fp8kv.formats.format_names:
-e4m3, fp8_e4m3, float8_e4m3fn, e5m2, ...), SOURCE where its scales come from (SOURCES): none for
-scale 1, `checkpoint` for a checkpoint's, `tensor` / `head` for calibrated on the evaluation
-windows. `cache_name` gives the one canonical spelling (`float8_e4m3fn-tensor`).
+A cache is named FORMAT[-RECIPE][-SOURCE]: FORMAT any FP8 format name (fp8kv.formats.format_names:
+e4m3, fp8_e4m3, float8_e4m3fn, e5m2, ...); RECIPE how K/V are stored (RECIPES, docs/rotated_cache.md):
+none for plain, `rotated`, `centred` for rotated + centred; SOURCE where its scales (and a centred
+cache's K offsets) come from (SOURCES): none for scale 1 (a centred cache's offsets then calibrated
+on the evaluation windows), `checkpoint` for a checkpoint's (the plain recipe's k_scale / v_scale, the
+rotated recipe's fp8kv_kv_cache.json), `tensor` / `head` for calibrated on the evaluation windows.
+`cache_name` gives the one canonical spelling (`float8_e4m3fn-centred-tensor`).
 """
 
 from __future__ import annotations
@@ -13,47 +16,54 @@ import dataclasses
 import torch
 
 from ..formats import KVCacheConfig, KVCacheDtype, format_names
+from ..rotation import Rotation
 
 UNQUANTIZED = "auto"
+RECIPES = {"": "plain", "rotated": "rotated", "centred": "rotated + centred"}
 SOURCES = {"": "scale 1", "checkpoint": "checkpoint scales", "tensor": "calibrated per tensor",
            "head": "calibrated per head"}
-# Evaluated by default (the checkpoint's scales only where there are some).
-CACHES = ("e4m3", "e4m3-checkpoint", "e4m3-tensor", "e4m3-head", "e5m2")
+# Evaluated by default (the checkpoint's recipes only where it has them).
+CACHES = ("e4m3", "e4m3-checkpoint", "e4m3-tensor", "e4m3-head", "e4m3-rotated", "e4m3-centred",
+          "e4m3-rotated-checkpoint", "e4m3-centred-checkpoint", "e5m2", "e5m2-rotated", "e5m2-centred")
 
 
-def parse_cache(name: str) -> tuple[KVCacheDtype, str]:
-    """The format and the scale source of the cache `name`; ValueError saying what a name is."""
-    text, dash, source = name.partition("-")
+def parse_cache(name: str) -> tuple[KVCacheDtype, str, str]:
+    """The format, recipe and scale source of the cache `name`; ValueError saying what a name is."""
+    text, *rest = name.split("-")
+    recipe = rest.pop(0) if rest and rest[0] and rest[0] in RECIPES else ""
+    source = rest.pop(0) if rest and rest[0] and rest[0] in SOURCES else ""
     try:
         fmt = KVCacheDtype.parse(text)
     except ValueError:
         fmt = None
-    if fmt is None or not fmt.is_fp8 or source not in SOURCES or bool(dash) != bool(source):
-        raise ValueError(f"unknown cache {name!r}: expected FORMAT or FORMAT-SOURCE, FORMAT one of "
-                         f"{format_names(lambda f: f.is_fp8)}; SOURCE one of {', '.join(filter(None, SOURCES))}")
-    return fmt, source
+    if fmt is None or not fmt.is_fp8 or rest:
+        raise ValueError(f"unknown cache {name!r}: expected FORMAT[-RECIPE][-SOURCE], FORMAT one of "
+                         f"{format_names(lambda f: f.is_fp8)}; RECIPE one of {', '.join(filter(None, RECIPES))}; "
+                         f"SOURCE one of {', '.join(filter(None, SOURCES))}")
+    return fmt, recipe, source
 
 
 def cache_name(name: str) -> str:
     """The canonical name of the cache `name` (`e4m3-tensor` -> `float8_e4m3fn-tensor` off MI300)."""
-    fmt, source = parse_cache(name)
-    return f"{fmt.value}-{source}" if source else fmt.value
+    fmt, recipe, source = parse_cache(name)
+    return "-".join(part for part in (fmt.value, recipe, source) if part)
 
 
 def label(name: str) -> str:
-    """What a cache is, for tables: its format and where its scales come from; other names as they are."""
+    """What a cache is, for tables: its format, recipe and where its scales come from; other names as they are."""
     if name == UNQUANTIZED:
         return "unquantized (model dtype)"
     try:
-        fmt, source = parse_cache(name)
+        fmt, recipe, source = parse_cache(name)
     except ValueError:
         return name
-    return f"{fmt.value}, {SOURCES[source]}"
+    return f"{fmt.value}, {RECIPES[recipe]}, {SOURCES[source]}"
 
 
 def converted(kv_cache: KVCacheConfig, fmt: KVCacheDtype) -> KVCacheConfig:
     """`kv_cache`'s scales for a `fmt` cache, converted as the checkpoint loader converts them
-    (KVCacheDtype.scale_factor_from: x2 for e4m3fnuz from e4m3fn scales, as they are for e5m2)."""
+    (KVCacheDtype.scale_factor_from: x2 for e4m3fnuz from e4m3fn scales, as they are for e5m2);
+    its recipe (rotation, K offsets in real units) unchanged."""
     factor = fmt.scale_factor_from(kv_cache.dtype)
 
     def scaled(layers):
@@ -69,34 +79,58 @@ def per_tensor(amax):
     from ..calibration import KVAmax
 
     return KVAmax(tuple((max(heads),) for heads in amax.k), tuple((max(heads),) for heads in amax.v),
-                  amax.num_tokens)
+                  amax.num_tokens, amax.rotated)
 
 
-def kv_cache_configs(model, windows: torch.Tensor, names, *, checkpoint_scales: KVCacheConfig | None = None,
+def checkpoint_recipe(checkpoint: dict[Rotation, KVCacheConfig], recipe: str) -> KVCacheConfig | None:
+    """The checkpoint's config for `recipe` (by rotation, as the pipeline loaded them), or None: a
+    centred cache needs the rotated recipe's K offsets, a rotated one a rotated recipe without them."""
+    config = checkpoint.get(Rotation.NONE if recipe == "" else Rotation.HADAMARD)
+    if config is not None and recipe and (config.k_offsets is not None) != (recipe == "centred"):
+        return None
+    return config
+
+
+def kv_cache_configs(model, windows: torch.Tensor, names, *, checkpoint: dict[Rotation, KVCacheConfig] | None = None,
                      progress: bool = True) -> dict[str, KVCacheConfig]:
-    """`auto` and each cache of `names`, for `model`; calibrated ones on `windows` (one pass, per head)."""
+    """`auto` and each cache of `names`, for `model`: the checkpoint's configs by rotation, calibrated
+    ones on `windows` (one pass, per head)."""
     from ..calibration import calibrate
 
     num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
     configs = {UNQUANTIZED: KVCacheConfig.unit_scales(UNQUANTIZED, num_layers)}
     amax = None
     for name in names:
-        fmt, source = parse_cache(name)
+        fmt, recipe, source = parse_cache(name)
+        rotation = Rotation.HADAMARD if recipe else Rotation.NONE
+        if source == "checkpoint":
+            config = checkpoint_recipe(checkpoint or {}, recipe)
+            if config is None:
+                raise ValueError(f"--kv-cache-dtype {name} needs a checkpoint with that recipe's scales: --scales "
+                                 "CKPT, or a model with them")
+            configs[name] = converted(config, fmt)
+            continue
+        if (source or recipe == "centred") and amax is None:
+            implementation = model.config._attn_implementation
+            model.set_attn_implementation("sdpa")
+            try:
+                amax = calibrate(model, [w[None] for w in windows], granularity="head", progress=progress)
+            finally:
+                model.set_attn_implementation(implementation)
+            if recipe and amax.rotated is None:
+                raise ValueError(f"--kv-cache-dtype {name}: the model's head size has no rotation")
         if source == "":
-            configs[name] = KVCacheConfig.unit_scales(fmt, num_layers)
-        elif source == "checkpoint":
-            if checkpoint_scales is None:
-                raise ValueError(f"--kv-cache-dtype {name} needs scales: --scales CKPT, or a model with them")
-            configs[name] = converted(checkpoint_scales, fmt)
+            unit = KVCacheConfig.unit_scales(fmt, num_layers, rotation=rotation)
+            if recipe == "centred":
+                unit = dataclasses.replace(unit, source="unit scales, K offsets calibrated on the windows",
+                                           k_offsets=amax.rotated.k_offsets)
+            configs[name] = unit
+            continue
+        # e5m2 uses scales calibrated for e4m3fn as they are, as it does a checkpoint's.
+        calibrated_for = fmt if fmt.is_e4m3 else KVCacheDtype.E4M3FN
+        if recipe:
+            config = amax.rotated.kv_cache(calibrated_for, source, centred=recipe == "centred")
         else:
-            if amax is None:
-                implementation = model.config._attn_implementation
-                model.set_attn_implementation("sdpa")
-                try:
-                    amax = calibrate(model, [w[None] for w in windows], granularity="head", progress=progress)
-                finally:
-                    model.set_attn_implementation(implementation)
-            # e5m2 uses scales calibrated for e4m3fn as they are, as it does a checkpoint's.
-            calibrated_for = fmt if fmt.is_e4m3 else KVCacheDtype.E4M3FN
-            configs[name] = converted((amax if source == "head" else per_tensor(amax)).scales(calibrated_for), fmt)
+            config = (amax if source == "head" else per_tensor(amax)).scales(calibrated_for)
+        configs[name] = converted(config, fmt)
     return configs

@@ -11,9 +11,11 @@ import torch
 from ..checkpoint.per_rank import load_kv_cache_config
 from ..checkpoint.problems import CheckpointError
 from ..checkpoint.reading import read_checkpoint_scales
+from ..checkpoint.rotated_recipe import RECIPE_FILE
 from ..formats import KVCacheConfig
 from ..loading import WeightsMismatchError, load_causal_lm
-from .caches import CACHES, UNQUANTIZED, cache_name, kv_cache_configs, parse_cache
+from ..rotation import Rotation
+from .caches import CACHES, UNQUANTIZED, cache_name, checkpoint_recipe, kv_cache_configs, parse_cache
 from .metrics import evaluate_model
 from .results import EvaluationResult
 
@@ -38,7 +40,7 @@ class _Plan:
     model_dir: pathlib.Path
     caches: tuple[str, ...]
     windows: torch.Tensor
-    checkpoint_scales: KVCacheConfig | None
+    checkpoint: dict[Rotation, KVCacheConfig]
     device: torch.device
     dtype: torch.dtype
 
@@ -67,22 +69,33 @@ def _device(device) -> torch.device:
     return device
 
 
-def _checkpoint_scales(model_dir: pathlib.Path, scales, num_layers: int, num_kv_heads: int) -> KVCacheConfig | None:
-    """The e4m3 scales of --scales, else of the model's own checkpoint; None when neither has any."""
+def _checkpoint_configs(model_dir: pathlib.Path, scales, num_layers: int,
+                        num_kv_heads: int) -> dict[Rotation, KVCacheConfig]:
+    """The e4m3 configs of --scales, else of the model's own checkpoint, by rotation: the plain
+    recipe's where it has KV cache scales, the rotated recipe's where it has fp8kv_kv_cache.json."""
     source = pathlib.Path(scales) if scales is not None else model_dir
     found = read_checkpoint_scales(source)
     if found.problems:
         raise CheckpointError(found.problems)
-    if not found.has_scales:
+    if not (found.has_scales or found.rotated):
         if scales is not None:
             raise ValueError(f"--scales: {source} has no KV cache scales")
-        return None
-    config = load_kv_cache_config(source, "fp8_e4m3")
-    widths = {len(s) for s in (*config.k_scales, *config.v_scales)}
-    if config.num_layers != num_layers or not widths <= {1, num_kv_heads}:
-        raise ValueError(f"--scales: {source} has scales for {config.num_layers} layers x {sorted(widths)} heads; the "
-                         f"model has {num_layers} layers and {num_kv_heads} KV heads")
-    return config
+        return {}
+    configs = {rotation: load_kv_cache_config(source, "fp8_e4m3", rotation=rotation)
+               for rotation, present in ((Rotation.NONE, found.has_scales), (Rotation.HADAMARD, found.rotated))
+               if present}
+    for config in configs.values():
+        widths = {len(s) for s in (*config.k_scales, *config.v_scales)}
+        if config.num_layers != num_layers or not widths <= {1, num_kv_heads}:
+            raise ValueError(f"--scales: {source} has scales for {config.num_layers} layers x {sorted(widths)} heads; "
+                             f"the model has {num_layers} layers and {num_kv_heads} KV heads")
+    return configs
+
+
+def _available(name: str, checkpoint: dict[Rotation, KVCacheConfig]) -> bool:
+    """Whether the cache `name` can be built: a checkpoint cache needs the checkpoint's recipe."""
+    _, recipe, source = parse_cache(name)
+    return source != "checkpoint" or checkpoint_recipe(checkpoint, recipe) is not None
 
 
 def check_options(caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None, device=None,
@@ -115,14 +128,14 @@ def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: 
         raise ValueError(f"--model: {model_dir} is not a checkpoint directory (no config.json)")
     config = AutoConfig.from_pretrained(model_dir).get_text_config(decoder=True)
     num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    checkpoint_scales = _checkpoint_scales(model_dir, scales, config.num_hidden_layers, num_kv_heads)
+    checkpoint = _checkpoint_configs(model_dir, scales, config.num_hidden_layers, num_kv_heads)
     if caches is None:
-        caches = tuple(cache_name(name) for name in CACHES
-                       if parse_cache(name)[1] != "checkpoint" or checkpoint_scales is not None)
+        caches = tuple(cache_name(name) for name in CACHES if _available(name, checkpoint))
     for name in caches:
-        if parse_cache(name)[1] == "checkpoint" and checkpoint_scales is None:
-            raise ValueError(f"--kv-cache-dtype: {name} needs KV cache scales, and {model_dir} has none; pass "
-                             "--scales CKPT")
+        if not _available(name, checkpoint):
+            raise ValueError(f"--kv-cache-dtype: {name} needs that recipe's KV cache scales (the plain recipe's "
+                             f"k_scale / v_scale, the rotated recipe's {RECIPE_FILE}, with K offsets for a centred "
+                             f"cache), and {scales or model_dir} has none; pass --scales CKPT")
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and seq_len > max_positions:
         raise ValueError(f"--seq-len: {seq_len} is beyond the model's max_position_embeddings ({max_positions})")
@@ -131,16 +144,16 @@ def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: 
                          "tokenizer.model)")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-    return _Plan(model_dir, caches, token_windows(ids, seq_len, windows, tokenizer.bos_token_id), checkpoint_scales,
+    return _Plan(model_dir, caches, token_windows(ids, seq_len, windows, tokenizer.bos_token_id), checkpoint,
                  device, dtype)
 
 
 def evaluate(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None,
              device=None, dtype: torch.dtype | str = torch.bfloat16, progress: bool = True,
              setup: dict | None = None) -> EvaluationResult:
-    """Scores the unquantized paged cache and each of `caches` (FORMAT[-SOURCE] names, see caches;
-    default: those of CACHES that apply) on `windows` windows of `seq_len` tokens of `text`, with
-    the model of `model_dir` in `dtype` on `device` (default: CUDA when available). `scales`: a
+    """Scores the unquantized paged cache and each of `caches` (FORMAT[-RECIPE][-SOURCE] names, see
+    caches; default: those of CACHES that apply) on `windows` windows of `seq_len` tokens of `text`,
+    with the model of `model_dir` in `dtype` on `device` (default: CUDA when available). `scales`: a
     checkpoint directory whose scales `-checkpoint` caches use (default: the model's own, if any).
 
     Raises ValueError (or CheckpointError) naming the command-line option for bad arguments,
@@ -149,8 +162,7 @@ def evaluate(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows:
     plan = prepare(model_dir, text, caches, seq_len=seq_len, windows=windows, scales=scales, device=device,
                    dtype=dtype)
     model = load_model(plan, progress=progress)
-    kv_caches = kv_cache_configs(model, plan.windows, plan.caches, checkpoint_scales=plan.checkpoint_scales,
-                                 progress=progress)
+    kv_caches = kv_cache_configs(model, plan.windows, plan.caches, checkpoint=plan.checkpoint, progress=progress)
     return evaluate_model(model, plan.windows, kv_caches, progress=progress,
                           setup={"model": str(plan.model_dir), **(setup or {}), **environment(plan)})
 

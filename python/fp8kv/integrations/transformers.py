@@ -229,7 +229,7 @@ class _PagedState:
             module = PagedAttention(num_heads, num_kv_heads, head_size, self.kv_cache, layer_idx,
                                     softmax_scale=scaling, sliding_window=window, logits_soft_cap=cap)
             self.attention[layer_idx] = module.to(self.paged.device)
-            _mark_static(module.k_scale, module.v_scale)
+            _mark_static(*(t for t in (module.k_scale, module.v_scale, module.k_offset) if t is not None))
         elif (module.num_heads, module.softmax_scale, module.sliding_window, module.logits_soft_cap) != (
                 num_heads, module.softmax_scale if scaling is None else scaling, window, cap):
             raise ValueError(f"layer {layer_idx} attention parameters changed between calls")
