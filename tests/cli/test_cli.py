@@ -20,6 +20,7 @@ from fp8kv import load_kv_cache_config
 from fp8kv.cli import _parser, main
 from fp8kv.commands.arguments import E4M3, FP8
 from fp8kv.formats import KVCacheDtype, format_names
+from rotated_reference import rotate_float32
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -94,16 +95,18 @@ def test_missing_transformers_says_what_to_install(monkeypatch, capsys, tmp_path
     assert not (tmp_path / "out").exists()
 
 
-def test_demo_scales_are_the_prompts_maxima():
-    """The demo's scales against max |K|, |V| per KV head read from transformers' own cache after a
-    forward pass over the prompt (independent of fp8kv's kv_amax), divided by max_finite in float64
-    and rounded once to float32, as KVAmax.scales specifies."""
+def test_demo_scales_are_the_prompts_rotated_maxima():
+    """The demo's scales (the rotated recipe's) against max |K H|, |V H| per KV head: K, V read from
+    transformers' own cache after a forward pass over the prompt, rotated by the tests' own fp32
+    rotation (independent of fp8kv's), divided by max_finite in float64 and rounded once to float32,
+    as KVAmax.scales specifies."""
     pytest.importorskip("transformers")
     from transformers import DynamicCache
 
     from fp8kv import demo
     from fp8kv.formats import KVCacheDtype
     from fp8kv.integrations.transformers import cache_argument
+    from fp8kv.rotation import Rotation
 
     model = demo._demo_model(torch.device("cpu"))
     prompt = torch.randint(0, demo.DEMO_MODEL["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
@@ -111,15 +114,15 @@ def test_demo_scales_are_the_prompts_maxima():
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(prompt, **cache_argument(model, cache))
-    k_amax = [layer.keys.float().abs().amax(dim=(0, 2, 3)).tolist() for layer in cache.layers]
-    v_amax = [layer.values.float().abs().amax(dim=(0, 2, 3)).tolist() for layer in cache.layers]
+    k_amax = [rotate_float32(layer.keys).abs().amax(dim=(0, 2, 3)).tolist() for layer in cache.layers]
+    v_amax = [rotate_float32(layer.values).abs().amax(dim=(0, 2, 3)).tolist() for layer in cache.layers]
 
     def f32(x):
         return struct.unpack("f", struct.pack("f", x))[0]
 
     for fmt, max_finite in ((KVCacheDtype.E4M3FN, 448.0), (KVCacheDtype.E4M3FNUZ, 240.0), (KVCacheDtype.E5M2, 448.0)):
         config = demo._calibrated(model, prompt, fmt)
-        assert config.dtype is fmt
+        assert config.dtype is fmt and config.rotation is Rotation.HADAMARD and config.k_offsets is None
         assert config.k_scales == tuple(tuple(f32(a / max_finite) for a in layer) for layer in k_amax)
         assert config.v_scales == tuple(tuple(f32(a / max_finite) for a in layer) for layer in v_amax)
     assert model.config._attn_implementation == "fp8kv"  # the demo model is back on fp8kv attention

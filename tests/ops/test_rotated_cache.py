@@ -46,8 +46,20 @@ def test_reference_rotation_is_the_orthonormal_block_hadamard(head_size):
 @pytest.mark.parametrize("cache_format", FP8_FORMATS)
 def test_write_stores_the_reference_bytes(device, cache_format, head_size, source, per_head, centred):
     """Every written slot holds the reference's code of its rotated (and centred) row; nothing else changes."""
+    check_rotated_write(device, cache_format, head_size, source, per_head, centred, unaligned=False)
+
+
+@pytest.mark.parametrize("centred", [False, True], ids=["rotated", "centred"])
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+def test_write_of_unaligned_rows_stores_the_reference_bytes(device, head_size, centred):
+    """Rows one element off 16-byte alignment (the kernels' element-at-a-time path) store the same bytes."""
+    check_rotated_write(device, "e4m3fn", head_size, "bf16", True, centred, unaligned=True)
+
+
+def check_rotated_write(device, cache_format, head_size, source, per_head, centred, unaligned):
     fmt = FORMAT_BY_NAME[cache_format]
-    generator = torch.Generator().manual_seed(zlib.crc32(f"{cache_format}{head_size}{source}{per_head}{centred}".encode()))
+    generator = torch.Generator().manual_seed(
+        zlib.crc32(f"{cache_format}{head_size}{source}{per_head}{centred}{unaligned}".encode()))
     num_blocks, block_size, num_kv_heads, num_tokens = 5, 16, 3, 50
     key = random_kv(num_tokens, num_kv_heads, head_size, generator)
     key = (key + 3 * torch.randn(1, num_kv_heads, head_size, generator=generator)).to(SOURCE_DTYPES[source])
@@ -61,7 +73,11 @@ def test_write_stores_the_reference_bytes(device, cache_format, head_size, sourc
     key_cache, value_cache = allocate_caches(num_blocks, block_size, num_kv_heads, head_size, fmt.dtype, "HND", device)
     for cache in (key_cache, value_cache):
         bits(cache).fill_(SENTINEL)
-    fp8kv.ops.reshape_and_cache(key.to(device), value.to(device), key_cache, value_cache, slots.to(device),
+
+    def on_device(x):  # unaligned: the same rows, one element into a wider buffer (strides D + 1)
+        return torch.cat([x[..., :1], x], dim=-1).to(device)[..., 1:] if unaligned else x.to(device)
+
+    fp8kv.ops.reshape_and_cache(on_device(key), on_device(value), key_cache, value_cache, slots.to(device),
                                 k_scale.to(device), v_scale.to(device), True,
                                 None if k_offset is None else k_offset.to(device))
     written = slots >= 0
