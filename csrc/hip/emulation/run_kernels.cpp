@@ -1,11 +1,13 @@
 // Runs the HIP kernels' unmodified sources on the host (hip/hip_runtime.h beside this file emulates
 // the HIP they use) and checks them against independent references built here:
 //   - reshape_and_cache: every cache byte equals fp8_encode(x / scale) of the shared codec (the CPU
-//     backend's formula) or the copied bits, untouched slots keep their fill;
+//     backend's formula) or the copied bits, untouched slots keep their fill; with the rotated recipe,
+//     fp8_encode(transform_row(x) / scale), transform_row being the CPU backend's contract code;
 //   - kv_amax: equals the exact maximum of |x| (NaN if any input is NaN) folded into the running value;
 //   - paged_attention: within a stated tolerance of float64 attention over the dequantized cache, with
 //     stale slots holding NaN codes, padded decode rows exactly zero.
 // Built and run by scripts/check_hip_sources.sh. Prints one line per failure and a summary.
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -17,6 +19,7 @@
 #include "../../fp8.h"
 #include "../../float_conversions.h"
 #include "../../gpu/kernels.h"
+#include "../../hadamard.h"
 
 namespace fp8kv {
 namespace {
@@ -112,6 +115,40 @@ void describe_key_value(KeyValueInput& p, const std::vector<uint8_t>& key, const
   p.key_head_stride = p.value_head_stride = head_stride;
 }
 
+// The cache recipes of docs/rotated_cache.md: what a cache write applies and attention undoes.
+enum class Recipe { kPlain, kRotated, kRotatedCentred, kCentred };  // kCentred: a K offset alone
+
+bool rotates(Recipe r) { return r == Recipe::kRotated || r == Recipe::kRotatedCentred; }
+bool centres(Recipe r) { return r == Recipe::kRotatedCentred || r == Recipe::kCentred; }
+
+std::string recipe_name(Recipe r) {
+  switch (r) {
+    case Recipe::kPlain: return "plain";
+    case Recipe::kRotated: return "rotated";
+    case Recipe::kRotatedCentred: return "rotated+centred";
+    case Recipe::kCentred: return "centred";
+  }
+  return "?";
+}
+
+// x times the rotated recipe's matrix H in float64, from its definition (docs/rotated_cache.md): blocks
+// of b elements, b the largest power of two dividing the size but at most 256, with entries
+// (-1)^popcount(i & j) / sqrt(b). H is symmetric and orthonormal, so it also rotates back.
+std::vector<double> hadamard_f64(const std::vector<double>& x) {
+  const int n = static_cast<int>(x.size());
+  int b = 1;
+  while (n % (2 * b) == 0 && b < 256) b *= 2;
+  std::vector<double> y(n, 0.0);
+  for (int i = 0; i < n; ++i) {
+    const int first = i / b * b;
+    for (int j = 0; j < b; ++j) {
+      y[i] += (std::popcount(static_cast<unsigned>((i - first) & j)) % 2 == 0 ? 1.0 : -1.0) * x[first + j];
+    }
+    y[i] /= std::sqrt(static_cast<double>(b));
+  }
+  return y;
+}
+
 std::mt19937_64 rng(20260521);
 
 float normal(float sigma) { return std::normal_distribution<float>(0.0f, sigma)(rng); }
@@ -132,11 +169,45 @@ float tie(DType t) {
   }
 }
 
-void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size, bool per_head) {
+// Draws a float32 K or V row (base[first, first + head_size)) until its cache bytes depend on the
+// fp32 roundings of the rotation: some element's code differs from that of its float64 value, so
+// butterflies in another order would likely store other bytes. A shared value 2^12 times the spread of
+// the rest, which the butterflies cancel, leaves rounding errors of about 2^-12 of the results: a few
+// draws suffice. False if 100 did not. (Rows of 16-bit values mostly sum exactly in fp32.)
+bool draw_rounding_sensitive_row(DType cache_t, uint8_t* base, int64_t first, int head_size, float sigma,
+                                 const float* offset, float scale) {
+  std::vector<float> row(head_size);
+  std::vector<double> exact(head_size);
+  for (int draw = 0; draw < 100; ++draw) {
+    const float shared = normal(4096.0f * sigma);
+    for (int d = 0; d < head_size; ++d) {
+      exact[d] = row[d] = shared + normal(sigma);
+      store(DType::kFloat32, base, first + d, row[d]);
+    }
+    transform_row(row.data(), head_size, true, offset);
+    exact = hadamard_f64(exact);
+    for (int d = 0; d < head_size; ++d) {
+      uint8_t stored = 0, rounded_once = 0;
+      store(cache_t, &stored, 0, row[d] / scale);
+      store(cache_t, &rounded_once, 0, static_cast<float>((exact[d] - (offset != nullptr ? offset[d] : 0.0)) / scale));
+      if (stored != rounded_once) return true;
+    }
+  }
+  return false;
+}
+
+void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size, bool per_head,
+                       Recipe recipe = Recipe::kPlain) {
   const int heads = 3, block_size = 5, blocks = 7, tokens = 23;
   const std::string name = std::string("reshape_and_cache ") + dtype_name(src_t) + "->" + dtype_name(cache_t) +
                            " layout " + std::to_string(static_cast<int>(layout)) + " d" + std::to_string(head_size) +
-                           (per_head ? " per-head" : " per-tensor");
+                           (per_head ? " per-head " : " per-tensor ") + recipe_name(recipe);
+  // A rotation spreads an element over its whole block: non-finite values only in token 0 keep the
+  // other rows finite, and exact ties of the division (which the plain cases check, through the same
+  // QuantizeTo::encode) do not survive it. With float32 sources, rows whose bytes depend on the fp32
+  // roundings (head 1 of every token after the first) check the order of the butterflies instead.
+  const bool transformed = recipe != Recipe::kPlain;
+  const bool order_checked = rotates(recipe) && src_t == DType::kFloat32;
   // key/value rows with a gap between tokens (slices of a fused QKV tensor).
   const int64_t token_stride = heads * head_size + (layout == Layout::kPadded ? 1 : head_size);
   std::vector<uint8_t> key = zeros(src_t, tokens * token_stride), value = zeros(src_t, tokens * token_stride);
@@ -147,16 +218,28 @@ void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size,
     // between two FP8 values: only a correctly rounded division then rounds to the even code).
     const float special[] = {INFINITY, -INFINITY, std::nanf(""), 1e6f, -0.0f};
     const int h = static_cast<int>(i % token_stride / head_size) % heads;
-    if (i % 53 == 7) {
+    if (i % 53 == 7 && (!transformed || i < token_stride)) {
       store(src_t, key.data(), i, special[i % 5]);
       store(src_t, value.data(), i, special[(i + 2) % 5]);
-    } else if (i % 3 == 1 && is_fp8(cache_t)) {
+    } else if (i % 3 == 1 && is_fp8(cache_t) && !transformed) {
       store(src_t, key.data(), i, tie(cache_t) * k_scale[per_head ? h : 0]);
       store(src_t, value.data(), i, tie(cache_t) * v_scale[per_head ? h : 0]);
     } else {
       store(src_t, key.data(), i, normal(100.0f));
       store(src_t, value.data(), i, normal(0.01f));
     }
+  }
+  std::vector<float> k_offset(centres(recipe) ? heads * head_size : 0);
+  for (float& mu : k_offset) mu = normal(50.0f);
+  int sensitive_rows = 0;
+  for (int t = 1; t < tokens && order_checked; ++t) {
+    const int h = 1;
+    const float* offset = centres(recipe) ? &k_offset[h * head_size] : nullptr;
+    const int64_t first = t * token_stride + h * head_size;
+    sensitive_rows += draw_rounding_sensitive_row(cache_t, key.data(), first, head_size, 100.0f, offset,
+                                                  k_scale[per_head ? h : 0]);
+    sensitive_rows += draw_rounding_sensitive_row(cache_t, value.data(), first, head_size, 0.01f, nullptr,
+                                                  v_scale[per_head ? h : 0]);
   }
   Cache key_cache(cache_t, layout, blocks, block_size, heads, head_size);
   Cache value_cache(cache_t, layout, blocks, block_size, heads, head_size);
@@ -169,15 +252,22 @@ void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size,
 
   std::vector<uint8_t> expected_k = key_cache.buffer, expected_v = value_cache.buffer;
   const int bytes = dtype_bytes(cache_t);
+  std::vector<float> k_row(head_size), v_row(head_size);
   for (int t = 0; t < tokens; ++t) {
     if (slots[t] < 0) continue;
     for (int h = 0; h < heads; ++h) {
       for (int d = 0; d < head_size; ++d) {
+        k_row[d] = load(src_t, key.data(), t * token_stride + h * head_size + d);
+        v_row[d] = load(src_t, value.data(), t * token_stride + h * head_size + d);
+      }
+      transform_row(k_row.data(), head_size, rotates(recipe), centres(recipe) ? &k_offset[h * head_size] : nullptr);
+      transform_row(v_row.data(), head_size, rotates(recipe), nullptr);
+      for (int d = 0; d < head_size; ++d) {
         const int64_t src = t * token_stride + h * head_size + d;
         const int64_t dst = key_cache.index(slots[t] / block_size, slots[t] % block_size, h, d);
         if (is_fp8(cache_t)) {
-          store(cache_t, expected_k.data(), dst, load(src_t, key.data(), src) / k_scale[per_head ? h : 0]);
-          store(cache_t, expected_v.data(), dst, load(src_t, value.data(), src) / v_scale[per_head ? h : 0]);
+          store(cache_t, expected_k.data(), dst, k_row[d] / k_scale[per_head ? h : 0]);
+          store(cache_t, expected_v.data(), dst, v_row[d] / v_scale[per_head ? h : 0]);
         } else {
           std::memcpy(&expected_k[dst * bytes], &key[src * bytes], bytes);
           std::memcpy(&expected_v[dst * bytes], &value[src * bytes], bytes);
@@ -195,6 +285,7 @@ void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size,
   p.num_slots = tokens;
   p.k_scale = HeadScalars{k_scale.data(), per_head};
   p.v_scale = HeadScalars{v_scale.data(), per_head};
+  p.transform = CacheTransform{rotates(recipe), centres(recipe) ? k_offset.data() : nullptr};
   p.num_kv_heads = heads;
   p.head_size = head_size;
   p.block_size = block_size;
@@ -204,7 +295,13 @@ void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size,
     mismatches += expected_k[i] != key_cache.buffer[i];
     mismatches += expected_v[i] != value_cache.buffer[i];
   }
-  report(status == hipSuccess && mismatches == 0, name, std::to_string(mismatches) + " bytes differ");
+  const int wanted_rows = order_checked ? 2 * (tokens - 1) : 0;
+  std::string detail = std::to_string(mismatches) + " bytes differ";
+  if (order_checked) {
+    detail += ", " + std::to_string(sensitive_rows) + " of " + std::to_string(wanted_rows) +
+              " rounding-sensitive rows drawn";
+  }
+  report(status == hipSuccess && mismatches == 0 && sensitive_rows == wanted_rows, name, detail);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -504,6 +601,20 @@ int main() {
     }
     check_cache_write(src, src, Layout::kNHD, 12, false);
     check_cache_write(src, src, Layout::kPadded, 12, true);
+  }
+  // The rotated recipes' bytes: every format and source dtype, aligned and unaligned rows (kPadded),
+  // an offset alone with vector and element accesses; then every rotation block (16 .. 256) and a row
+  // of two blocks, from float32 (whose rows check the butterflies' order).
+  for (DType src : sources) {
+    for (DType cache : fp8s) {
+      check_cache_write(src, cache, Layout::kNHD, 128, true, Recipe::kRotatedCentred);
+      check_cache_write(src, cache, Layout::kPadded, 48, false, Recipe::kRotated);
+      check_cache_write(src, cache, Layout::kHND, 12, true, Recipe::kCentred);
+      check_cache_write(src, cache, Layout::kPadded, 6, false, Recipe::kCentred);
+    }
+  }
+  for (int head_size : {16, 32, 64, 96, 256, 512}) {
+    check_cache_write(DType::kFloat32, DType::kFloat8E4M3FNUZ, Layout::kHND, head_size, true, Recipe::kRotatedCentred);
   }
   for (DType src : sources) {
     for (bool per_head : {false, true}) {
