@@ -5,7 +5,8 @@
 //     fp8_encode(transform_row(x) / scale), transform_row being the CPU backend's contract code;
 //   - kv_amax: equals the exact maximum of |x| (NaN if any input is NaN) folded into the running value;
 //   - paged_attention: within a stated tolerance of float64 attention over the dequantized cache, with
-//     stale slots holding NaN codes, padded decode rows exactly zero.
+//     stale slots holding NaN codes, padded decode rows exactly zero; with the rotated recipe, float64
+//     attention of the query rotated by the Hadamard matrix's definition, rotated back the same way.
 // Built and run by scripts/check_hip_sources.sh. Prints one line per failure and a summary.
 #include <bit>
 #include <cmath>
@@ -380,6 +381,7 @@ struct AttentionCase {
   bool per_head = false;
   Layout layout = Layout::kNHD;
   int compute_units = 4;
+  Recipe recipe = Recipe::kPlain;
 };
 
 std::string describe(const AttentionCase& c) {
@@ -393,7 +395,7 @@ std::string describe(const AttentionCase& c) {
   }
   s += " window " + std::to_string(c.sliding_window) + " cap " + std::to_string(c.soft_cap) +
        (c.per_head ? " per-head" : "") + " layout " + std::to_string(static_cast<int>(c.layout)) + " cus " +
-       std::to_string(c.compute_units);
+       std::to_string(c.compute_units) + " " + recipe_name(c.recipe);
   return s;
 }
 
@@ -424,7 +426,12 @@ void check_attention(const AttentionCase& c) {
   std::vector<float> k_scale(c.per_head ? c.num_kv_heads : 1), v_scale(c.per_head ? c.num_kv_heads : 1);
   for (size_t h = 0; h < k_scale.size(); ++h) k_scale[h] = 0.02f * (h + 1), v_scale[h] = 0.015f / (h + 1);
   const bool quantized = is_fp8(c.cache_t);
-  // Dequantized values, as float64 reference input: [seq][position][kv_head][d].
+  // The K offsets the cache was centred by, larger than the keys so that a soft cap would show any
+  // error in adding them back.
+  std::vector<float> k_offset(centres(c.recipe) ? c.num_kv_heads * d_size : 0);
+  for (float& mu : k_offset) mu = normal(2.0f);
+  // Dequantized values in the cache's basis (keys with their offset added back), as float64 reference
+  // input: [seq][position][kv_head][d].
   std::vector<std::vector<double>> keys(num_seqs), values(num_seqs);
   for (int s = 0; s < num_seqs; ++s) {
     keys[s].resize(static_cast<size_t>(c.seq_lens[s]) * c.num_kv_heads * d_size);
@@ -440,7 +447,8 @@ void check_attention(const AttentionCase& c) {
           store(c.cache_t, value_cache.buffer.data(), at, normal(1.0f) / vs);
           const size_t i = (static_cast<size_t>(t) * c.num_kv_heads + h) * d_size + d;
           // Attention applies the scales whatever the cache dtype (as the CPU backend does).
-          keys[s][i] = static_cast<double>(load(c.cache_t, key_cache.buffer.data(), at)) * k_scale[c.per_head ? h : 0];
+          keys[s][i] = static_cast<double>(load(c.cache_t, key_cache.buffer.data(), at)) * k_scale[c.per_head ? h : 0] +
+                       (centres(c.recipe) ? k_offset[h * d_size + d] : 0.0);
           values[s][i] = static_cast<double>(load(c.cache_t, value_cache.buffer.data(), at)) * v_scale[c.per_head ? h : 0];
         }
       }
@@ -489,6 +497,7 @@ void check_attention(const AttentionCase& c) {
   p.v_scale = HeadScalars{v_scale.data(), c.per_head};
   p.sliding_window = c.sliding_window;
   p.logits_soft_cap = c.soft_cap;
+  p.transform = CacheTransform{rotates(c.recipe), centres(c.recipe) ? k_offset.data() : nullptr};
 
   const std::string name = describe(c);
   if (const std::string why = gpu::paged_attention_unsupported(p); !why.empty()) {
@@ -503,7 +512,13 @@ void check_attention(const AttentionCase& c) {
 
   // float64 reference and tolerance. Error sources: fp32 dot products, exponentials and sums (relative
   // ~1e-6 at these lengths), then one rounding of the output to the query dtype: half an ulp, 2^-11
-  // (fp16) or 2^-8 (bf16) relative. Bound: 1.5 ulp of the reference plus 1e-4 of the largest |v|.
+  // (fp16) or 2^-8 (bf16) relative. Bound: 1.5 ulp of the reference plus 1e-4 of the largest |v| (in
+  // the cache's basis). The rotated recipe adds the fp32 rotations: the query's (relative ~log2(b) *
+  // 2^-24 on the logits) and the output's, whose log2(b) stages of sums at most sqrt(b) * |v| large add
+  // at most log2(b) * sqrt(b) * 2^-24 |v| (8e-6 |v| for b = 256) and carry the accumulators' errors
+  // over at most sqrt(b) = 16 of them (~2e-5 |v|): within the same bound, which the rotated cases
+  // share so that they hold the kernel to it. Without a soft cap the reference keeps the K offsets,
+  // which softmax ignores.
   const double ulp = c.query_t == DType::kFloat16 ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7);
   double worst = 0.0;
   std::string detail;
@@ -517,15 +532,17 @@ void check_attention(const AttentionCase& c) {
       const int lo = c.sliding_window > 0 ? std::max(0, hi - c.sliding_window) : 0;
       for (int head = 0; head < num_heads; ++head) {
         const int kv = head / c.group;
+        const int64_t first = (static_cast<int64_t>(row) * num_heads + head) * d_size;
+        std::vector<double> q(d_size);
+        for (int d = 0; d < d_size; ++d) q[d] = load(c.query_t, query.data(), first + d);
+        if (rotates(c.recipe)) q = hadamard_f64(q);  // into the cache's basis
         std::vector<double> logits;
         double max_logit = -INFINITY;
         double v_max = 0.0;
         for (int t = lo; t < hi; ++t) {
           double dot = 0.0;
-          for (int d = 0; d < d_size; ++d) {
-            dot += load(c.query_t, query.data(), (static_cast<int64_t>(row) * num_heads + head) * d_size + d) *
-                   keys[s][(static_cast<size_t>(t) * c.num_kv_heads + kv) * d_size + d];
-          }
+          const double* key = &keys[s][(static_cast<size_t>(t) * c.num_kv_heads + kv) * d_size];
+          for (int d = 0; d < d_size; ++d) dot += q[d] * key[d];
           double logit = dot * softmax_scale;
           if (c.soft_cap > 0) logit = c.soft_cap * std::tanh(logit / c.soft_cap);
           logits.push_back(logit);
@@ -533,20 +550,23 @@ void check_attention(const AttentionCase& c) {
         }
         double sum = 0.0;
         for (double& l : logits) sum += (l = std::exp(l - max_logit));
+        std::vector<double> want(d_size, 0.0);
         for (int d = 0; d < d_size; ++d) {
-          double want = 0.0;
           for (int t = lo; t < hi; ++t) {
             const double v = values[s][(static_cast<size_t>(t) * c.num_kv_heads + kv) * d_size + d];
-            want += logits[t - lo] / sum * v;
+            want[d] += logits[t - lo] / sum * v;
             v_max = std::max(v_max, std::fabs(v));
           }
-          const double got = load(c.query_t, out.data(), (static_cast<int64_t>(row) * num_heads + head) * d_size + d);
-          const double err = std::fabs(got - want);
-          const bool ok = hi <= lo ? got == 0.0 : err <= 1.5 * ulp * std::fabs(want) + 1e-4 * v_max;
+        }
+        if (rotates(c.recipe)) want = hadamard_f64(want);  // back to the query's basis
+        for (int d = 0; d < d_size; ++d) {
+          const double got = load(c.query_t, out.data(), first + d);
+          const double err = std::fabs(got - want[d]);
+          const bool ok = hi <= lo ? got == 0.0 : err <= 1.5 * ulp * std::fabs(want[d]) + 1e-4 * v_max;
           worst = std::max(worst, err);
           if (!ok && ++bad <= 3) {
             detail += " [row " + std::to_string(row) + " head " + std::to_string(head) + " d " + std::to_string(d) +
-                      ": got " + std::to_string(got) + " want " + std::to_string(want) + "]";
+                      ": got " + std::to_string(got) + " want " + std::to_string(want[d]) + "]";
           }
         }
       }
@@ -584,6 +604,25 @@ void run_attention_cases() {
   cases.push_back({f16, fnuz, 64, 2, 2, 16, {20, 9, 33}, {4, 0, 7}});
   cases.push_back({bf16, e4m3fn, 128, 1, 4, 5, {40, 12}, {12, 3}, 10, 30.0f, true});
   cases.push_back({f16, e5m2, 64, 1, 2, 16, {520, 300}, {3, 2}, -1, 0.0f, false, Layout::kNHD, 64});
+  // The rotated recipes: every rotation block (16 for d80 and d48 .. 256), padded lanes (d80, d192),
+  // K offsets with and without a soft cap (small caps, so that a missing offset shows), an offset
+  // alone, GQA tiles of 2 to 8 heads, unaligned rows, splits with the merge, decode and multi-token.
+  auto with = [](Recipe recipe, AttentionCase c) {
+    c.recipe = recipe;
+    return c;
+  };
+  const Recipe rotated = Recipe::kRotated, centred = Recipe::kRotatedCentred, offset_only = Recipe::kCentred;
+  cases.push_back(with(rotated, {bf16, fnuz, 128, 2, 4, 16, {37, 0, 130}, {}}));
+  cases.push_back(with(centred, {f16, e4m3fn, 64, 2, 8, 16, {70, 3}, {}}));
+  cases.push_back(with(centred, {bf16, fnuz, 96, 2, 3, 16, {300, 40}, {}, -1, 5.0f, false, Layout::kNHD, 64}));
+  cases.push_back(with(rotated, {f16, e5m2, 256, 1, 2, 16, {45, 9}, {}, -1, 5.0f}));
+  cases.push_back(with(centred, {bf16, fnuz, 80, 1, 12, 16, {45, 9}, {}, -1, 5.0f}));
+  cases.push_back(with(centred, {bf16, e4m3fn, 192, 2, 2, 16, {50, 33}, {}, -1, 8.0f, true, Layout::kPadded}));
+  cases.push_back(with(offset_only, {f16, e4m3fn, 64, 1, 4, 16, {90, 17}, {}, -1, 5.0f}));
+  cases.push_back(with(rotated, {f16, fnuz, 64, 1, 4, 16, {700, 300, 5}, {}, -1, 0.0f, false, Layout::kNHD, 64}));
+  cases.push_back(with(centred, {bf16, e4m3fn, 128, 1, 4, 5, {40, 12}, {12, 3}, 10, 5.0f, true}));
+  cases.push_back(with(rotated, {f16, fnuz, 48, 2, 2, 16, {20, 9, 33}, {4, 0, 7}}));
+  cases.push_back(with(centred, {f16, e5m2, 64, 1, 2, 16, {520, 300}, {3, 2}, -1, 5.0f, false, Layout::kNHD, 64}));
   for (const AttentionCase& c : cases) check_attention(c);
 }
 
