@@ -33,6 +33,13 @@ FP8KV_HOST_DEVICE float mul_rn(float x, float y) {
 #endif
 }
 
+// One butterfly of the transform: (a, b) becomes (a + b, a - b), each rounded once.
+FP8KV_HOST_DEVICE void butterfly(float& a, float& b) {
+  const float sum = a + b;
+  b = a - b;
+  a = sum;
+}
+
 // The unnormalized transform of each block of `block` consecutive elements of x[0, n), in place:
 // for h = 1, 2, ..., block / 2, every pair (x[i], x[i + h]) with i & h == 0 becomes
 // (x[i] + x[i + h], x[i] - x[i + h]). The order of h is part of the contract (rounding).

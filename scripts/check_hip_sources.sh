@@ -8,7 +8,8 @@
 #   3. csrc/checks/check_numerics.cpp built and run on the host: the framework-free numerics the
 #      kernels use (FP8 unpacking, 16-bit conversions) checked for every code;
 #   4. the kernels' unmodified sources built against a host emulation of HIP (csrc/hip/emulation) and
-#      run against independent references: cache bytes exact, amax exact, attention vs float64.
+#      run against independent references: cache bytes exact, amax exact, attention vs float64, for
+#      the plain and the rotated cache recipes.
 # Installs Debian's hipcc when missing (needs root and apt). Nothing is linked against ROCm torch and
 # nothing runs on a GPU: see docs/amd.md.
 set -euo pipefail

@@ -1,5 +1,6 @@
-// Device building blocks shared by the HIP kernels: wavefront-64 reductions, the cache formats
-// (FP8 codes or unquantized 16-bit values) loaded eight elements at a time, vector accesses.
+// Device building blocks shared by the HIP kernels: wavefront-64 reductions, the rotated recipe's
+// butterflies across lanes, the cache formats (FP8 codes or unquantized 16-bit values) loaded eight
+// elements at a time, vector accesses.
 #pragma once
 
 #include <hip/hip_runtime.h>
@@ -10,6 +11,7 @@
 
 #include "../float_conversions.h"
 #include "../fp8.h"
+#include "../hadamard.h"
 #include "../kernel_params.h"
 
 #if defined(__AMDGCN_WAVEFRONT_SIZE)
@@ -49,6 +51,31 @@ inline __device__ void atomic_nan_max(float* target, float value) {
     const unsigned int previous = atomicCAS(word, seen, wanted);
     if (previous == seen) return;
     seen = previous;
+  }
+}
+
+// The unnormalized block Hadamard of csrc/hadamard.h (hadamard_blocks: butterflies h = 1, 2, ...,
+// block / 2 in that order, so the bits equal the host's) on rows spread over consecutive lanes: a lane
+// holds kValues consecutive elements, a row's first lane is a multiple of block / kValues. Pairs
+// closer than kValues lie within a lane; farther ones are h / kValues lanes apart and meet through a
+// shuffle. Every lane of the wavefront calls it with the same block, kValues <= block <= 64 * kValues.
+template <int kValues>
+__device__ void hadamard_across_lanes(float (&x)[kValues], int block) {
+#pragma unroll
+  for (int h = 1; h < kValues; h *= 2) {
+#pragma unroll
+    for (int i = 0; i < kValues; ++i) {
+      if ((i & h) == 0) butterfly(x[i], x[i + h]);
+    }
+  }
+  const int lane = threadIdx.x % kWaveSize;
+  for (int lanes = 1; lanes < block / kValues; lanes *= 2) {
+    const bool upper = (lane & lanes) != 0;  // this lane holds the pairs' second elements
+#pragma unroll
+    for (int i = 0; i < kValues; ++i) {
+      const float other = __shfl_xor(x[i], lanes);
+      x[i] = upper ? other - x[i] : x[i] + other;
+    }
   }
 }
 

@@ -17,6 +17,12 @@
 //
 // Multi-token rows (cu_seqlens_q given) run the same kernel: every row finds its sequence and its
 // causal range, and reads its keys itself (no reuse of K/V across the rows of a sequence).
+//
+// The rotated recipe (docs/rotated_cache.md): the query rows are rotated into the cache's basis (fp32
+// butterflies across the lanes that hold a row, then the norm) before the products, and the output
+// rows are rotated back before they are written, split results before the merge (it is linear), the
+// norm in the output scale. With a soft cap and a K offset, q' . k_offset is added back to each logit
+// before the cap (without a cap softmax ignores it).
 #include <hip/hip_runtime.h>
 
 #include <algorithm>
@@ -24,6 +30,7 @@
 
 #include "device.h"
 #include "../gpu/kernels.h"
+#include "../hadamard.h"
 #include "launch.h"
 
 namespace fp8kv::hip {
@@ -159,6 +166,13 @@ __device__ int reduce_heads(float (&partial)[kHeads], int lane, bool* leader) {
   return head;
 }
 
+// What an output row is multiplied by besides v_scale / sum: the format's unpack scale and, rotated, the
+// norm the un-rotation's butterflies leave out.
+template <typename Cache>
+__host__ __device__ float output_factor(const PagedAttentionParams& p) {
+  return Cache::kUnpackScale * (p.transform.hadamard ? hadamard_norm(hadamard_block(p.head_size)) : 1.0f);
+}
+
 // Q: the query's Element; Cache: the cache's CacheRow.
 template <typename Q, typename Cache, int kPaddedHeadSize, int kHeads>
 __global__ __launch_bounds__(kThreads) void paged_attention_kernel(PagedAttentionParams p, AttentionLaunch launch) {
@@ -198,6 +212,31 @@ __global__ __launch_bounds__(kThreads) void paged_attention_kernel(PagedAttentio
                       (first_head + h) * p.query_head_stride + dim0;
     for (int i = 0; i < kDimsPerLane; ++i) q[h][i] = Q::to_float(src[i]);
   }
+  // A row's lanes hold consecutive dims, its first lane a multiple of kLanesPerToken >= rotation / 8.
+  const int rotation = p.transform.hadamard ? hadamard_block(p.head_size) : 0;
+  if (rotation > 0) {
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      hadamard_across_lanes(q[h], rotation);
+      for (int i = 0; i < kDimsPerLane; ++i) q[h][i] *= hadamard_norm(rotation);
+    }
+  }
+  // The logits' offset under a soft cap: softmax_scale * (q' . k_offset) of the head whose logits this
+  // lane writes (reduce_heads gives a lane the same head for every key).
+  float logit_offset = 0.0f;
+  if (p.logits_soft_cap > 0.0f && p.transform.k_offset != nullptr) {
+    const float* k_offset = p.transform.k_offset + static_cast<int64_t>(kv_head) * p.head_size + dim0;
+    float partial[kHeads];
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      partial[h] = 0.0f;
+      if (!has_dims) continue;
+      for (int i = 0; i < kDimsPerLane; ++i) partial[h] += q[h][i] * k_offset[i];
+    }
+    bool leader = false;
+    reduce_heads<kHeads, T::kLanesPerToken>(partial, lane, &leader);
+    logit_offset = p.softmax_scale * partial[0];
+  }
   if (threadIdx.x < kHeads) {
     head_max[threadIdx.x] = -INFINITY;
     head_sum[threadIdx.x] = 0.0f;
@@ -229,7 +268,7 @@ __global__ __launch_bounds__(kThreads) void paged_attention_kernel(PagedAttentio
       const int h = reduce_heads<kHeads, T::kLanesPerToken>(partial, lane, &leader);
       if (valid && leader && h < heads) {
         float logit = partial[0] * logit_scale;
-        if (p.logits_soft_cap > 0.0f) logit = p.logits_soft_cap * tanhf(logit / p.logits_soft_cap);
+        if (p.logits_soft_cap > 0.0f) logit = p.logits_soft_cap * tanhf((logit + logit_offset) / p.logits_soft_cap);
         logits[h * kChunkTokens + position - chunk_begin] = logit;
       }
     }
@@ -303,10 +342,17 @@ __global__ __launch_bounds__(kThreads) void paged_attention_kernel(PagedAttentio
     }
     __syncthreads();
   }
+  // Back to the original basis (the norm is in output_factor); wave 0's other lanes rotate copies.
+  if (rotation > 0 && wave == 0) {
+#pragma unroll
+    for (int h = 0; h < kHeads; ++h) {
+      if (h < heads) hadamard_across_lanes(acc[h], rotation);
+    }
+  }
   if (!holds_total) return;
 
   if (launch.num_splits == 1) {
-    const float out_scale = *p.v_scale.at(kv_head) * Cache::kUnpackScale;
+    const float out_scale = *p.v_scale.at(kv_head) * output_factor<Cache>(p);
 #pragma unroll
     for (int h = 0; h < kHeads; ++h) {
       if (h >= heads) continue;
@@ -328,10 +374,11 @@ __global__ __launch_bounds__(kThreads) void paged_attention_kernel(PagedAttentio
   }
 }
 
-// Combines a row's splits per (row, query head): out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s.
+// Combines a row's splits per (row, query head): out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s,
+// times v_scale and `factor` (output_factor of the cache's format).
 template <typename Q>
 __global__ __launch_bounds__(kMaxHeadSize) void merge_splits_kernel(PagedAttentionParams p, AttentionLaunch launch,
-                                                                    float unpack_scale) {
+                                                                    float factor) {
   const int64_t row = blockIdx.x;
   const int head = blockIdx.y;
   const int d = threadIdx.x;
@@ -352,7 +399,7 @@ __global__ __launch_bounds__(kMaxHeadSize) void merge_splits_kernel(PagedAttenti
     out += weight * launch.partial_out[(first + s) * p.head_size + d];
   }
   const int kv_head = head / (p.num_heads / p.num_kv_heads);
-  const float scale = sum > 0.0f ? *p.v_scale.at(kv_head) * unpack_scale / sum : 0.0f;
+  const float scale = sum > 0.0f ? *p.v_scale.at(kv_head) * factor / sum : 0.0f;
   auto* dst = static_cast<typename Q::Storage*>(p.out) + row * p.out_token_stride + head * p.out_head_stride;
   dst[d] = Q::from_float(out * scale);
 }
@@ -374,7 +421,7 @@ hipError_t launch_tiles(const PagedAttentionParams& p, const AttentionLaunch& la
   hipError_t status = hipGetLastError();
   if (status != hipSuccess || launch.num_splits == 1) return status;
   hipLaunchKernelGGL(merge_splits_kernel<Q>, dim3(static_cast<unsigned int>(p.num_query_tokens), p.num_heads),
-                     dim3(kMaxHeadSize), 0, stream, p, launch, Cache::kUnpackScale);
+                     dim3(kMaxHeadSize), 0, stream, p, launch, output_factor<Cache>(p));
   return hipGetLastError();
 }
 

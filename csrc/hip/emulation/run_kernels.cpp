@@ -1,11 +1,14 @@
 // Runs the HIP kernels' unmodified sources on the host (hip/hip_runtime.h beside this file emulates
 // the HIP they use) and checks them against independent references built here:
 //   - reshape_and_cache: every cache byte equals fp8_encode(x / scale) of the shared codec (the CPU
-//     backend's formula) or the copied bits, untouched slots keep their fill;
+//     backend's formula) or the copied bits, untouched slots keep their fill; with the rotated recipe,
+//     fp8_encode(transform_row(x) / scale), transform_row being the CPU backend's contract code;
 //   - kv_amax: equals the exact maximum of |x| (NaN if any input is NaN) folded into the running value;
 //   - paged_attention: within a stated tolerance of float64 attention over the dequantized cache, with
-//     stale slots holding NaN codes, padded decode rows exactly zero.
+//     stale slots holding NaN codes, padded decode rows exactly zero; with the rotated recipe, float64
+//     attention of the query rotated by the Hadamard matrix's definition, rotated back the same way.
 // Built and run by scripts/check_hip_sources.sh. Prints one line per failure and a summary.
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -17,6 +20,7 @@
 #include "../../fp8.h"
 #include "../../float_conversions.h"
 #include "../../gpu/kernels.h"
+#include "../../hadamard.h"
 
 namespace fp8kv {
 namespace {
@@ -112,6 +116,40 @@ void describe_key_value(KeyValueInput& p, const std::vector<uint8_t>& key, const
   p.key_head_stride = p.value_head_stride = head_stride;
 }
 
+// The cache recipes of docs/rotated_cache.md: what a cache write applies and attention undoes.
+enum class Recipe { kPlain, kRotated, kRotatedCentred, kCentred };  // kCentred: a K offset alone
+
+bool rotates(Recipe r) { return r == Recipe::kRotated || r == Recipe::kRotatedCentred; }
+bool centres(Recipe r) { return r == Recipe::kRotatedCentred || r == Recipe::kCentred; }
+
+std::string recipe_name(Recipe r) {
+  switch (r) {
+    case Recipe::kPlain: return "plain";
+    case Recipe::kRotated: return "rotated";
+    case Recipe::kRotatedCentred: return "rotated+centred";
+    case Recipe::kCentred: return "centred";
+  }
+  return "?";
+}
+
+// x times the rotated recipe's matrix H in float64, from its definition (docs/rotated_cache.md): blocks
+// of b elements, b the largest power of two dividing the size but at most 256, with entries
+// (-1)^popcount(i & j) / sqrt(b). H is symmetric and orthonormal, so it also rotates back.
+std::vector<double> hadamard_f64(const std::vector<double>& x) {
+  const int n = static_cast<int>(x.size());
+  int b = 1;
+  while (n % (2 * b) == 0 && b < 256) b *= 2;
+  std::vector<double> y(n, 0.0);
+  for (int i = 0; i < n; ++i) {
+    const int first = i / b * b;
+    for (int j = 0; j < b; ++j) {
+      y[i] += (std::popcount(static_cast<unsigned>((i - first) & j)) % 2 == 0 ? 1.0 : -1.0) * x[first + j];
+    }
+    y[i] /= std::sqrt(static_cast<double>(b));
+  }
+  return y;
+}
+
 std::mt19937_64 rng(20260521);
 
 float normal(float sigma) { return std::normal_distribution<float>(0.0f, sigma)(rng); }
@@ -132,11 +170,45 @@ float tie(DType t) {
   }
 }
 
-void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size, bool per_head) {
+// Draws a float32 K or V row (base[first, first + head_size)) until its cache bytes depend on the
+// fp32 roundings of the rotation: some element's code differs from that of its float64 value, so
+// butterflies in another order would likely store other bytes. A shared value 2^12 times the spread of
+// the rest, which the butterflies cancel, leaves rounding errors of about 2^-12 of the results: a few
+// draws suffice. False if 100 did not. (Rows of 16-bit values mostly sum exactly in fp32.)
+bool draw_rounding_sensitive_row(DType cache_t, uint8_t* base, int64_t first, int head_size, float sigma,
+                                 const float* offset, float scale) {
+  std::vector<float> row(head_size);
+  std::vector<double> exact(head_size);
+  for (int draw = 0; draw < 100; ++draw) {
+    const float shared = normal(4096.0f * sigma);
+    for (int d = 0; d < head_size; ++d) {
+      exact[d] = row[d] = shared + normal(sigma);
+      store(DType::kFloat32, base, first + d, row[d]);
+    }
+    transform_row(row.data(), head_size, true, offset);
+    exact = hadamard_f64(exact);
+    for (int d = 0; d < head_size; ++d) {
+      uint8_t stored = 0, rounded_once = 0;
+      store(cache_t, &stored, 0, row[d] / scale);
+      store(cache_t, &rounded_once, 0, static_cast<float>((exact[d] - (offset != nullptr ? offset[d] : 0.0)) / scale));
+      if (stored != rounded_once) return true;
+    }
+  }
+  return false;
+}
+
+void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size, bool per_head,
+                       Recipe recipe = Recipe::kPlain) {
   const int heads = 3, block_size = 5, blocks = 7, tokens = 23;
   const std::string name = std::string("reshape_and_cache ") + dtype_name(src_t) + "->" + dtype_name(cache_t) +
                            " layout " + std::to_string(static_cast<int>(layout)) + " d" + std::to_string(head_size) +
-                           (per_head ? " per-head" : " per-tensor");
+                           (per_head ? " per-head " : " per-tensor ") + recipe_name(recipe);
+  // A rotation spreads an element over its whole block: non-finite values only in token 0 keep the
+  // other rows finite, and exact ties of the division (which the plain cases check, through the same
+  // QuantizeTo::encode) do not survive it. With float32 sources, rows whose bytes depend on the fp32
+  // roundings (head 1 of every token after the first) check the order of the butterflies instead.
+  const bool transformed = recipe != Recipe::kPlain;
+  const bool order_checked = rotates(recipe) && src_t == DType::kFloat32;
   // key/value rows with a gap between tokens (slices of a fused QKV tensor).
   const int64_t token_stride = heads * head_size + (layout == Layout::kPadded ? 1 : head_size);
   std::vector<uint8_t> key = zeros(src_t, tokens * token_stride), value = zeros(src_t, tokens * token_stride);
@@ -147,16 +219,28 @@ void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size,
     // between two FP8 values: only a correctly rounded division then rounds to the even code).
     const float special[] = {INFINITY, -INFINITY, std::nanf(""), 1e6f, -0.0f};
     const int h = static_cast<int>(i % token_stride / head_size) % heads;
-    if (i % 53 == 7) {
+    if (i % 53 == 7 && (!transformed || i < token_stride)) {
       store(src_t, key.data(), i, special[i % 5]);
       store(src_t, value.data(), i, special[(i + 2) % 5]);
-    } else if (i % 3 == 1 && is_fp8(cache_t)) {
+    } else if (i % 3 == 1 && is_fp8(cache_t) && !transformed) {
       store(src_t, key.data(), i, tie(cache_t) * k_scale[per_head ? h : 0]);
       store(src_t, value.data(), i, tie(cache_t) * v_scale[per_head ? h : 0]);
     } else {
       store(src_t, key.data(), i, normal(100.0f));
       store(src_t, value.data(), i, normal(0.01f));
     }
+  }
+  std::vector<float> k_offset(centres(recipe) ? heads * head_size : 0);
+  for (float& mu : k_offset) mu = normal(50.0f);
+  int sensitive_rows = 0;
+  for (int t = 1; t < tokens && order_checked; ++t) {
+    const int h = 1;
+    const float* offset = centres(recipe) ? &k_offset[h * head_size] : nullptr;
+    const int64_t first = t * token_stride + h * head_size;
+    sensitive_rows += draw_rounding_sensitive_row(cache_t, key.data(), first, head_size, 100.0f, offset,
+                                                  k_scale[per_head ? h : 0]);
+    sensitive_rows += draw_rounding_sensitive_row(cache_t, value.data(), first, head_size, 0.01f, nullptr,
+                                                  v_scale[per_head ? h : 0]);
   }
   Cache key_cache(cache_t, layout, blocks, block_size, heads, head_size);
   Cache value_cache(cache_t, layout, blocks, block_size, heads, head_size);
@@ -169,15 +253,22 @@ void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size,
 
   std::vector<uint8_t> expected_k = key_cache.buffer, expected_v = value_cache.buffer;
   const int bytes = dtype_bytes(cache_t);
+  std::vector<float> k_row(head_size), v_row(head_size);
   for (int t = 0; t < tokens; ++t) {
     if (slots[t] < 0) continue;
     for (int h = 0; h < heads; ++h) {
       for (int d = 0; d < head_size; ++d) {
+        k_row[d] = load(src_t, key.data(), t * token_stride + h * head_size + d);
+        v_row[d] = load(src_t, value.data(), t * token_stride + h * head_size + d);
+      }
+      transform_row(k_row.data(), head_size, rotates(recipe), centres(recipe) ? &k_offset[h * head_size] : nullptr);
+      transform_row(v_row.data(), head_size, rotates(recipe), nullptr);
+      for (int d = 0; d < head_size; ++d) {
         const int64_t src = t * token_stride + h * head_size + d;
         const int64_t dst = key_cache.index(slots[t] / block_size, slots[t] % block_size, h, d);
         if (is_fp8(cache_t)) {
-          store(cache_t, expected_k.data(), dst, load(src_t, key.data(), src) / k_scale[per_head ? h : 0]);
-          store(cache_t, expected_v.data(), dst, load(src_t, value.data(), src) / v_scale[per_head ? h : 0]);
+          store(cache_t, expected_k.data(), dst, k_row[d] / k_scale[per_head ? h : 0]);
+          store(cache_t, expected_v.data(), dst, v_row[d] / v_scale[per_head ? h : 0]);
         } else {
           std::memcpy(&expected_k[dst * bytes], &key[src * bytes], bytes);
           std::memcpy(&expected_v[dst * bytes], &value[src * bytes], bytes);
@@ -195,6 +286,7 @@ void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size,
   p.num_slots = tokens;
   p.k_scale = HeadScalars{k_scale.data(), per_head};
   p.v_scale = HeadScalars{v_scale.data(), per_head};
+  p.transform = CacheTransform{rotates(recipe), centres(recipe) ? k_offset.data() : nullptr};
   p.num_kv_heads = heads;
   p.head_size = head_size;
   p.block_size = block_size;
@@ -204,7 +296,13 @@ void check_cache_write(DType src_t, DType cache_t, Layout layout, int head_size,
     mismatches += expected_k[i] != key_cache.buffer[i];
     mismatches += expected_v[i] != value_cache.buffer[i];
   }
-  report(status == hipSuccess && mismatches == 0, name, std::to_string(mismatches) + " bytes differ");
+  const int wanted_rows = order_checked ? 2 * (tokens - 1) : 0;
+  std::string detail = std::to_string(mismatches) + " bytes differ";
+  if (order_checked) {
+    detail += ", " + std::to_string(sensitive_rows) + " of " + std::to_string(wanted_rows) +
+              " rounding-sensitive rows drawn";
+  }
+  report(status == hipSuccess && mismatches == 0 && sensitive_rows == wanted_rows, name, detail);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -283,6 +381,7 @@ struct AttentionCase {
   bool per_head = false;
   Layout layout = Layout::kNHD;
   int compute_units = 4;
+  Recipe recipe = Recipe::kPlain;
 };
 
 std::string describe(const AttentionCase& c) {
@@ -296,7 +395,7 @@ std::string describe(const AttentionCase& c) {
   }
   s += " window " + std::to_string(c.sliding_window) + " cap " + std::to_string(c.soft_cap) +
        (c.per_head ? " per-head" : "") + " layout " + std::to_string(static_cast<int>(c.layout)) + " cus " +
-       std::to_string(c.compute_units);
+       std::to_string(c.compute_units) + " " + recipe_name(c.recipe);
   return s;
 }
 
@@ -327,7 +426,12 @@ void check_attention(const AttentionCase& c) {
   std::vector<float> k_scale(c.per_head ? c.num_kv_heads : 1), v_scale(c.per_head ? c.num_kv_heads : 1);
   for (size_t h = 0; h < k_scale.size(); ++h) k_scale[h] = 0.02f * (h + 1), v_scale[h] = 0.015f / (h + 1);
   const bool quantized = is_fp8(c.cache_t);
-  // Dequantized values, as float64 reference input: [seq][position][kv_head][d].
+  // The K offsets the cache was centred by, larger than the keys so that a soft cap would show any
+  // error in adding them back.
+  std::vector<float> k_offset(centres(c.recipe) ? c.num_kv_heads * d_size : 0);
+  for (float& mu : k_offset) mu = normal(2.0f);
+  // Dequantized values in the cache's basis (keys with their offset added back), as float64 reference
+  // input: [seq][position][kv_head][d].
   std::vector<std::vector<double>> keys(num_seqs), values(num_seqs);
   for (int s = 0; s < num_seqs; ++s) {
     keys[s].resize(static_cast<size_t>(c.seq_lens[s]) * c.num_kv_heads * d_size);
@@ -343,7 +447,8 @@ void check_attention(const AttentionCase& c) {
           store(c.cache_t, value_cache.buffer.data(), at, normal(1.0f) / vs);
           const size_t i = (static_cast<size_t>(t) * c.num_kv_heads + h) * d_size + d;
           // Attention applies the scales whatever the cache dtype (as the CPU backend does).
-          keys[s][i] = static_cast<double>(load(c.cache_t, key_cache.buffer.data(), at)) * k_scale[c.per_head ? h : 0];
+          keys[s][i] = static_cast<double>(load(c.cache_t, key_cache.buffer.data(), at)) * k_scale[c.per_head ? h : 0] +
+                       (centres(c.recipe) ? k_offset[h * d_size + d] : 0.0);
           values[s][i] = static_cast<double>(load(c.cache_t, value_cache.buffer.data(), at)) * v_scale[c.per_head ? h : 0];
         }
       }
@@ -392,6 +497,7 @@ void check_attention(const AttentionCase& c) {
   p.v_scale = HeadScalars{v_scale.data(), c.per_head};
   p.sliding_window = c.sliding_window;
   p.logits_soft_cap = c.soft_cap;
+  p.transform = CacheTransform{rotates(c.recipe), centres(c.recipe) ? k_offset.data() : nullptr};
 
   const std::string name = describe(c);
   if (const std::string why = gpu::paged_attention_unsupported(p); !why.empty()) {
@@ -406,7 +512,13 @@ void check_attention(const AttentionCase& c) {
 
   // float64 reference and tolerance. Error sources: fp32 dot products, exponentials and sums (relative
   // ~1e-6 at these lengths), then one rounding of the output to the query dtype: half an ulp, 2^-11
-  // (fp16) or 2^-8 (bf16) relative. Bound: 1.5 ulp of the reference plus 1e-4 of the largest |v|.
+  // (fp16) or 2^-8 (bf16) relative. Bound: 1.5 ulp of the reference plus 1e-4 of the largest |v| (in
+  // the cache's basis). The rotated recipe adds the fp32 rotations: the query's (relative ~log2(b) *
+  // 2^-24 on the logits) and the output's, whose log2(b) stages of sums at most sqrt(b) * |v| large add
+  // at most log2(b) * sqrt(b) * 2^-24 |v| (8e-6 |v| for b = 256) and carry the accumulators' errors
+  // over at most sqrt(b) = 16 of them (~2e-5 |v|): within the same bound, which the rotated cases
+  // share so that they hold the kernel to it. Without a soft cap the reference keeps the K offsets,
+  // which softmax ignores.
   const double ulp = c.query_t == DType::kFloat16 ? std::ldexp(1.0, -10) : std::ldexp(1.0, -7);
   double worst = 0.0;
   std::string detail;
@@ -420,15 +532,17 @@ void check_attention(const AttentionCase& c) {
       const int lo = c.sliding_window > 0 ? std::max(0, hi - c.sliding_window) : 0;
       for (int head = 0; head < num_heads; ++head) {
         const int kv = head / c.group;
+        const int64_t first = (static_cast<int64_t>(row) * num_heads + head) * d_size;
+        std::vector<double> q(d_size);
+        for (int d = 0; d < d_size; ++d) q[d] = load(c.query_t, query.data(), first + d);
+        if (rotates(c.recipe)) q = hadamard_f64(q);  // into the cache's basis
         std::vector<double> logits;
         double max_logit = -INFINITY;
         double v_max = 0.0;
         for (int t = lo; t < hi; ++t) {
           double dot = 0.0;
-          for (int d = 0; d < d_size; ++d) {
-            dot += load(c.query_t, query.data(), (static_cast<int64_t>(row) * num_heads + head) * d_size + d) *
-                   keys[s][(static_cast<size_t>(t) * c.num_kv_heads + kv) * d_size + d];
-          }
+          const double* key = &keys[s][(static_cast<size_t>(t) * c.num_kv_heads + kv) * d_size];
+          for (int d = 0; d < d_size; ++d) dot += q[d] * key[d];
           double logit = dot * softmax_scale;
           if (c.soft_cap > 0) logit = c.soft_cap * std::tanh(logit / c.soft_cap);
           logits.push_back(logit);
@@ -436,20 +550,23 @@ void check_attention(const AttentionCase& c) {
         }
         double sum = 0.0;
         for (double& l : logits) sum += (l = std::exp(l - max_logit));
+        std::vector<double> want(d_size, 0.0);
         for (int d = 0; d < d_size; ++d) {
-          double want = 0.0;
           for (int t = lo; t < hi; ++t) {
             const double v = values[s][(static_cast<size_t>(t) * c.num_kv_heads + kv) * d_size + d];
-            want += logits[t - lo] / sum * v;
+            want[d] += logits[t - lo] / sum * v;
             v_max = std::max(v_max, std::fabs(v));
           }
-          const double got = load(c.query_t, out.data(), (static_cast<int64_t>(row) * num_heads + head) * d_size + d);
-          const double err = std::fabs(got - want);
-          const bool ok = hi <= lo ? got == 0.0 : err <= 1.5 * ulp * std::fabs(want) + 1e-4 * v_max;
+        }
+        if (rotates(c.recipe)) want = hadamard_f64(want);  // back to the query's basis
+        for (int d = 0; d < d_size; ++d) {
+          const double got = load(c.query_t, out.data(), first + d);
+          const double err = std::fabs(got - want[d]);
+          const bool ok = hi <= lo ? got == 0.0 : err <= 1.5 * ulp * std::fabs(want[d]) + 1e-4 * v_max;
           worst = std::max(worst, err);
           if (!ok && ++bad <= 3) {
             detail += " [row " + std::to_string(row) + " head " + std::to_string(head) + " d " + std::to_string(d) +
-                      ": got " + std::to_string(got) + " want " + std::to_string(want) + "]";
+                      ": got " + std::to_string(got) + " want " + std::to_string(want[d]) + "]";
           }
         }
       }
@@ -487,6 +604,25 @@ void run_attention_cases() {
   cases.push_back({f16, fnuz, 64, 2, 2, 16, {20, 9, 33}, {4, 0, 7}});
   cases.push_back({bf16, e4m3fn, 128, 1, 4, 5, {40, 12}, {12, 3}, 10, 30.0f, true});
   cases.push_back({f16, e5m2, 64, 1, 2, 16, {520, 300}, {3, 2}, -1, 0.0f, false, Layout::kNHD, 64});
+  // The rotated recipes: every rotation block (16 for d80 and d48 .. 256), padded lanes (d80, d192),
+  // K offsets with and without a soft cap (small caps, so that a missing offset shows), an offset
+  // alone, GQA tiles of 2 to 8 heads, unaligned rows, splits with the merge, decode and multi-token.
+  auto with = [](Recipe recipe, AttentionCase c) {
+    c.recipe = recipe;
+    return c;
+  };
+  const Recipe rotated = Recipe::kRotated, centred = Recipe::kRotatedCentred, offset_only = Recipe::kCentred;
+  cases.push_back(with(rotated, {bf16, fnuz, 128, 2, 4, 16, {37, 0, 130}, {}}));
+  cases.push_back(with(centred, {f16, e4m3fn, 64, 2, 8, 16, {70, 3}, {}}));
+  cases.push_back(with(centred, {bf16, fnuz, 96, 2, 3, 16, {300, 40}, {}, -1, 5.0f, false, Layout::kNHD, 64}));
+  cases.push_back(with(rotated, {f16, e5m2, 256, 1, 2, 16, {45, 9}, {}, -1, 5.0f}));
+  cases.push_back(with(centred, {bf16, fnuz, 80, 1, 12, 16, {45, 9}, {}, -1, 5.0f}));
+  cases.push_back(with(centred, {bf16, e4m3fn, 192, 2, 2, 16, {50, 33}, {}, -1, 8.0f, true, Layout::kPadded}));
+  cases.push_back(with(offset_only, {f16, e4m3fn, 64, 1, 4, 16, {90, 17}, {}, -1, 5.0f}));
+  cases.push_back(with(rotated, {f16, fnuz, 64, 1, 4, 16, {700, 300, 5}, {}, -1, 0.0f, false, Layout::kNHD, 64}));
+  cases.push_back(with(centred, {bf16, e4m3fn, 128, 1, 4, 5, {40, 12}, {12, 3}, 10, 5.0f, true}));
+  cases.push_back(with(rotated, {f16, fnuz, 48, 2, 2, 16, {20, 9, 33}, {4, 0, 7}}));
+  cases.push_back(with(centred, {f16, e5m2, 64, 1, 2, 16, {520, 300}, {3, 2}, -1, 5.0f, false, Layout::kNHD, 64}));
   for (const AttentionCase& c : cases) check_attention(c);
 }
 
@@ -504,6 +640,20 @@ int main() {
     }
     check_cache_write(src, src, Layout::kNHD, 12, false);
     check_cache_write(src, src, Layout::kPadded, 12, true);
+  }
+  // The rotated recipes' bytes: every format and source dtype, aligned and unaligned rows (kPadded),
+  // an offset alone with vector and element accesses; then every rotation block (16 .. 256) and a row
+  // of two blocks, from float32 (whose rows check the butterflies' order).
+  for (DType src : sources) {
+    for (DType cache : fp8s) {
+      check_cache_write(src, cache, Layout::kNHD, 128, true, Recipe::kRotatedCentred);
+      check_cache_write(src, cache, Layout::kPadded, 48, false, Recipe::kRotated);
+      check_cache_write(src, cache, Layout::kHND, 12, true, Recipe::kCentred);
+      check_cache_write(src, cache, Layout::kPadded, 6, false, Recipe::kCentred);
+    }
+  }
+  for (int head_size : {16, 32, 64, 96, 256, 512}) {
+    check_cache_write(DType::kFloat32, DType::kFloat8E4M3FNUZ, Layout::kHND, head_size, true, Recipe::kRotatedCentred);
   }
   for (DType src : sources) {
     for (bool per_head : {false, true}) {
