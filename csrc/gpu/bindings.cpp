@@ -32,9 +32,6 @@ void reshape_and_cache_gpu(const at::Tensor& key, const at::Tensor& value, at::T
                            const at::Tensor& v_scale, bool hadamard, const std::optional<at::Tensor>& k_offset) {
   const CacheWriteParams p =
       cache_write_params(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, hadamard, k_offset);
-#if defined(FP8KV_WITH_HIP) || defined(__HIPCC__)
-  TORCH_CHECK(!p.transform.any(), "fp8kv.reshape_and_cache: WIP: no rotated recipe on ", gpu::kBackend, " yet");
-#endif
   if (debug_checks_enabled()) check_slot_mapping_indices(slot_mapping, key_cache.size(0) * key_cache.size(1));
   const c10::DeviceGuard guard(key.device());
   check_launch("fp8kv.reshape_and_cache", gpu::reshape_and_cache(p, current_stream(key.device())));
@@ -49,9 +46,6 @@ void paged_attention_gpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   const PagedAttentionParams p = paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                         cu_seqlens_q, softmax_scale, k_scale, v_scale, sliding_window,
                                                         logits_soft_cap, hadamard, k_offset);
-#if defined(FP8KV_WITH_HIP) || defined(__HIPCC__)
-  TORCH_CHECK(!p.transform.any(), op, ": WIP: no rotated recipe on ", gpu::kBackend, " yet");
-#endif
   const std::string unsupported = gpu::paged_attention_unsupported(p);
   TORCH_CHECK(unsupported.empty(), op, ": on ", gpu::kBackend, ", ", unsupported);
   if (debug_checks_enabled()) {
