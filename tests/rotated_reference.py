@@ -17,8 +17,8 @@ import torch
 
 import fp8kv
 from reference import (FLOAT32_UNIT_ROUNDOFF, FORMAT_BY_NAME, AttentionReference, Fp8Format, add_output_rounding,
-                       allocate_caches, bits, cache_values, fill_nan, kernel_product_dtype, paged_attention_reference,
-                       paged_block_tables, random_kv)
+                       allocate_caches, bits, cache_values, fill_nan, kernel_product_dtype, PagedAttentionInputs,
+                       paged_attention_reference, paged_block_tables, random_kv)
 
 # Head sizes with rotation blocks of at least 16 (the CUDA ones first) and their blocks.
 HEAD_SIZES = [64, 80, 96, 128, 192, 256, 48, 112, 512]
@@ -86,20 +86,9 @@ def rotation_error_bound(x_abs: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class RotatedInputs:
-    """A paged-attention problem over a cache written with the rotated recipe."""
-    query: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    cu_seqlens_q: torch.Tensor | None
-    softmax_scale: float
-    k_scale: torch.Tensor
-    v_scale: torch.Tensor
-    k_offset: torch.Tensor | None
-    sliding_window: int = -1
-    logits_soft_cap: float = 0.0
+class RotatedInputs(PagedAttentionInputs):
+    """A paged-attention problem over a cache written with the rotated recipe (K offsets optional)."""
+    k_offset: torch.Tensor | None = None
 
     def run(self) -> torch.Tensor:
         out = torch.full_like(self.query, math.nan)

@@ -25,7 +25,7 @@ from .checkpoint.per_rank import shard_kv_heads
 from .checkpoint.problems import CheckpointError, Problem
 from .checkpoint.scale_tensors import scale_values
 from .formats import KVCacheConfig, KVCacheDtype, default_rotation
-from .rotation import Rotation, check_head_size
+from .rotation import Rotation, check_head_size, recipe_name
 
 
 class PagedAttention(nn.Module):
@@ -152,10 +152,7 @@ class PagedAttention(nn.Module):
     @property
     def recipe(self) -> str:
         """"plain", "rotated" or "rotated + centred" (or "centred": offsets without a rotation)."""
-        rotated = self.rotation is Rotation.HADAMARD
-        if self.k_offset is None:
-            return "rotated" if rotated else "plain"
-        return "rotated + centred" if rotated else "centred"
+        return recipe_name(self.rotation, self.k_offset is not None)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rotation import Rotation
+from .rotation import Rotation, recipe_name
 
 
 def platform_uses_fnuz() -> bool:
@@ -233,10 +233,7 @@ class KVCacheConfig:
     @property
     def recipe(self) -> str:
         """"plain", "rotated" or "rotated + centred" (or "centred" for offsets without a rotation)."""
-        rotated = self.rotation is Rotation.HADAMARD
-        if self.k_offsets is None:
-            return "rotated" if rotated else "plain"
-        return "rotated + centred" if rotated else "centred"
+        return recipe_name(self.rotation, self.k_offsets is not None)
 
     def torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return self.dtype.torch_dtype(model_dtype)

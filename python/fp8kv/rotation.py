@@ -39,6 +39,14 @@ class Rotation(enum.Enum):
         raise ValueError(f"unknown rotation {value!r}; valid: {', '.join(repr(m.value) for m in cls)}")
 
 
+def recipe_name(rotation: Rotation, has_k_offsets: bool) -> str:
+    """"plain", "rotated" or "rotated + centred" (or "centred": offsets without a rotation)."""
+    rotated = rotation is Rotation.HADAMARD
+    if not has_k_offsets:
+        return "rotated" if rotated else "plain"
+    return "rotated + centred" if rotated else "centred"
+
+
 def hadamard_block(head_size: int) -> int:
     """The size of the rotation's blocks: the largest power of two dividing head_size, at most 256."""
     return min(head_size & -head_size, MAX_BLOCK)

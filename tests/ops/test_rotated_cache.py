@@ -19,7 +19,7 @@ import torch._dynamo.testing
 
 import fp8kv
 from reference import FORMAT_BY_NAME, allocate_caches, assert_within, bits, random_kv
-from rotated_reference import (HEAD_SIZES, hadamard_block, hadamard_matrix, make_rotated_inputs, rotate_float32,
+from rotated_reference import (HEAD_SIZES, hadamard_matrix, make_rotated_inputs, rotate_float32,
                                rotation_error_bound, stored_rotated)
 
 FP8_FORMATS = ["e4m3fn", "e5m2", "e4m3fnuz"]
