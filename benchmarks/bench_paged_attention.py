@@ -230,9 +230,7 @@ def summarize_row(row: dict, ceilings: dict) -> dict:
     summary = {"fp8kv_best": best, "sdpa_best": sdpa, "flashinfer_best": flashinfer,
                "sdpa_us": sdpa and common.best_us(cols[sdpa]),
                "flashinfer_us": flashinfer and common.best_us(cols[flashinfer])}
-    summary |= common.rotated_summary(cols, ROTATED_COLUMNS, best and common.graph_us(cols[best]))
-    if summary["rotated_best"]:
-        summary["max_rotated_rel_err"] = common.max_rel_err(cols, ROTATED_COLUMNS)
+    summary |= common.rotated_attention_summary(cols, ROTATED_COLUMNS, best and common.graph_us(cols[best]))
     if best is None:
         return summary
     launch_us, us = cols[best]["median_us"], common.graph_us(cols[best])
@@ -259,12 +257,7 @@ def evaluate_targets(row: dict) -> dict[str, bool | None]:
     else:
         targets[f"<={TARGET_SDPA_RATIO_SMALL:.2f}xSDPA"] = judge(lambda: ratio <= TARGET_SDPA_RATIO_SMALL, ratio)
     targets[f"<=FI/{TARGET_FLASHINFER_SPEEDUP}"] = judge(lambda: vs_fi <= 1 / TARGET_FLASHINFER_SPEEDUP, vs_fi)
-    err = s.get("max_fp8kv_rel_err")
-    targets["err<=1e-2"] = judge(lambda: err <= MAX_REL_ERR, err)
-    targets |= common.rotated_ratio_target(s, TARGET_ROTATED_VS_PLAIN)
-    rotated_err = s.get("max_rotated_rel_err")
-    targets[f"{common.ROTATED}_err<=1e-2"] = judge(lambda: rotated_err <= MAX_REL_ERR, rotated_err)
-    return targets
+    return targets | common.attention_error_targets(s, MAX_REL_ERR, TARGET_ROTATED_VS_PLAIN)
 
 
 def short_form(name: str | None, prefix: str) -> str:

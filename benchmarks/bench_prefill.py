@@ -238,9 +238,7 @@ def summarize_row(row: dict) -> dict:
     for key, prefix in (("sdpa_flash", SDPA_FLASH_PREFIX), ("sdpa", SDPA_PREFIX), ("flashinfer", FLASHINFER_PREFIX)):
         name = common.fastest(cols, [n for n in cols if n.startswith(prefix)])
         summary[f"{key}_best"], summary[f"{key}_us"] = name, name and common.best_us(cols[name])
-    summary |= common.rotated_summary(cols, ROTATED_COLUMNS, best and common.graph_us(cols[best]))
-    if summary["rotated_best"]:
-        summary["max_rotated_rel_err"] = common.max_rel_err(cols, ROTATED_COLUMNS)
+    summary |= common.rotated_attention_summary(cols, ROTATED_COLUMNS, best and common.graph_us(cols[best]))
     if best is None:
         return summary
     us = common.graph_us(cols[best])
@@ -266,12 +264,7 @@ def evaluate_targets(row: dict) -> dict[str, bool | None]:
     }
     if row["kind"] == "verify":
         targets[f"<={TARGET_VERIFY_VS_DECODE}xdecode"] = judge(lambda: decode <= TARGET_VERIFY_VS_DECODE, decode)
-    err = s.get("max_fp8kv_rel_err")
-    targets["err<=1e-2"] = judge(lambda: err <= MAX_REL_ERR, err)
-    targets |= common.rotated_ratio_target(s, TARGET_ROTATED_VS_PLAIN)
-    rotated_err = s.get("max_rotated_rel_err")
-    targets[f"{common.ROTATED}_err<=1e-2"] = judge(lambda: rotated_err <= MAX_REL_ERR, rotated_err)
-    return targets
+    return targets | common.attention_error_targets(s, MAX_REL_ERR, TARGET_ROTATED_VS_PLAIN)
 
 
 def table(rows: list[dict]) -> str:

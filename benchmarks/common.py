@@ -368,6 +368,23 @@ def rotated_ratio_target(summary: dict, max_ratio: float) -> dict[str, bool | No
     return {f"{ROTATED}<={max_ratio}xplain": judge(lambda: ratio <= max_ratio, ratio)}
 
 
+def rotated_attention_summary(columns: dict, names: Sequence[str], plain_graph_us: float | None) -> dict:
+    """rotated_summary, and the largest relative error of the recipe's attention columns."""
+    summary = rotated_summary(columns, names, plain_graph_us)
+    if summary["rotated_best"]:
+        summary["max_rotated_rel_err"] = max_rel_err(columns, names)
+    return summary
+
+
+def attention_error_targets(summary: dict, max_rel_err: float, max_rotated_ratio: float) -> dict[str, bool | None]:
+    """The attention benchmarks' error targets (named for their 1e-2): the plain columns' and the
+    rotated + centred ones' largest relative error, and between them the recipe's time ratio."""
+    err, rotated_err = summary.get("max_fp8kv_rel_err"), summary.get("max_rotated_rel_err")
+    return {"err<=1e-2": judge(lambda: err <= max_rel_err, err),
+            **rotated_ratio_target(summary, max_rotated_ratio),
+            f"{ROTATED}_err<=1e-2": judge(lambda: rotated_err <= max_rel_err, rotated_err)}
+
+
 def errors_text(rows: list[dict]) -> str:
     """Every shape, column or column's graph that did not run, with the reason; empty when all ran."""
     lines = []

@@ -274,6 +274,16 @@ def test_inspect_reports_a_loader_error_in_one_line(monkeypatch, tmp_path, capsy
     assert "config.json: cannot read: Input/output error" in err
 
 
+# The end of the report of a checkpoint with plain scales, no rotated recipe file and nothing wrong.
+NO_RECIPE_FILE_AND_NO_PROBLEMS = [
+    "",
+    "rotated recipe:  no fp8kv_kv_cache.json: the rotated recipe (an FP8 cache's default) takes the plain "
+    "scales times sqrt(block size)",
+    "",
+    "no problems found",
+]
+
+
 def assert_inspect_prints(directory, report: list[str], status: int, capsys) -> None:
     """`inspect directory` prints `report` and nothing else, and exits with `status`."""
     assert run(["inspect", str(directory)], capsys) == (status, "\n".join(report) + "\n", "")
@@ -299,11 +309,7 @@ def test_report_of_per_head_scales(tmp_path, capsys):
         "    0  V     0.75 0.5 0.25 1    (model.layers.0.self_attn.v_scale)",
         "    1  K     0.1 0.333333 3 1e-05    (model.layers.1.self_attn.k_scale)",
         "    1  V     0.5 0.5 0.25 6    (model.layers.1.self_attn.v_scale)",
-        "",
-        "rotated recipe:  no fp8kv_kv_cache.json: the rotated recipe (an FP8 cache's default) takes the plain "
-        "scales times sqrt(block size)",
-        "",
-        "no problems found",
+        *NO_RECIPE_FILE_AND_NO_PROBLEMS,
     ]
     assert_inspect_prints(tmp_path, report, 0, capsys)
 
@@ -321,11 +327,7 @@ def test_report_of_legacy_json(tmp_path, capsys):
         f"legacy JSON:     {tmp_path / 'kv_cache_scales.json'} (per tensor, one scale for K and V)",
         "  rank 0: 0.25 0.5",
         "  rank 1: 0.1 3",
-        "",
-        "rotated recipe:  no fp8kv_kv_cache.json: the rotated recipe (an FP8 cache's default) takes the plain "
-        "scales times sqrt(block size)",
-        "",
-        "no problems found",
+        *NO_RECIPE_FILE_AND_NO_PROBLEMS,
     ]
     assert_inspect_prints(tmp_path, report, 0, capsys)
 

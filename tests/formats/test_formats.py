@@ -12,20 +12,12 @@ from fp8kv import formats
 from fp8kv.formats import KVCacheConfig, KVCacheDtype
 
 # Names used by vLLM (CacheDType), SGLang (--kv-cache-dtype) and TGI, torch's dtype names, and short ones.
-FIXED_NAMES = [
-    ("auto", KVCacheDtype.UNQUANTIZED),
-    ("fp8_e5m2", KVCacheDtype.E5M2),
-    ("float8_e5m2", KVCacheDtype.E5M2),
-    ("e5m2", KVCacheDtype.E5M2),
-    ("float8_e4m3fn", KVCacheDtype.E4M3FN),
-    ("fp8_e4m3fn", KVCacheDtype.E4M3FN),
-    ("e4m3fn", KVCacheDtype.E4M3FN),
-    ("float8_e4m3fnuz", KVCacheDtype.E4M3FNUZ),
-    ("fp8_e4m3fnuz", KVCacheDtype.E4M3FNUZ),
-    ("e4m3fnuz", KVCacheDtype.E4M3FNUZ),
-    ("torch.float8_e4m3fn", KVCacheDtype.E4M3FN),
-    (" FP8_E5M2 ", KVCacheDtype.E5M2),
-]
+FIXED_NAMES = [(name, fmt) for fmt, names in {
+    KVCacheDtype.UNQUANTIZED: ["auto"],
+    KVCacheDtype.E5M2: ["fp8_e5m2", "float8_e5m2", "e5m2", " FP8_E5M2 "],
+    KVCacheDtype.E4M3FN: ["float8_e4m3fn", "fp8_e4m3fn", "e4m3fn", "torch.float8_e4m3fn"],
+    KVCacheDtype.E4M3FNUZ: ["float8_e4m3fnuz", "fp8_e4m3fnuz", "e4m3fnuz"],
+}.items() for name in names]
 
 
 @pytest.mark.parametrize("name, expected", FIXED_NAMES)
