@@ -29,11 +29,13 @@ __device__ __forceinline__ void hadamard_row(float (&v)[kValues]) {
       }
     } else {
       const int mask = 1 << (kLaneShift + bit - kLow);
-      const bool upper = (lane & mask) != 0;  // this lane holds the pair's second element
+      // The lane holding the pair's second element takes other - v, the other v + other: one fma
+      // with an exact sign, rounded once as the subtraction and the sum are.
+      const float sign = (lane & mask) != 0 ? -1.0f : 1.0f;
 #pragma unroll
       for (int i = 0; i < kValues; ++i) {
         const float other = __shfl_xor_sync(0xffffffffu, v[i], mask);
-        v[i] = upper ? other - v[i] : v[i] + other;
+        v[i] = fmaf(v[i], sign, other);
       }
     }
   }
