@@ -39,6 +39,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..attention import LayerAttentions
 from ..cache import BatchMetadata, CacheFullError, FixedBatch, PagedKVCache
 from ..formats import KVCacheConfig
+from . import transformers_continuous_batching as continuous_batching
 
 ATTN_IMPLEMENTATION = "fp8kv"
 _TAG = "_fp8kv_paged_layer"
@@ -78,6 +79,26 @@ def enable(model):
     return model
 
 
+def enable_continuous_batching(model, kv_cache: KVCacheConfig):
+    """Switches `model` to fp8kv attention for transformers' continuous batching (`generate_batch`,
+    `init_continuous_batching`, `continuous_batching_context_manager`): transformers' paged cache
+    then holds pages in `kv_cache`'s format, recipe and scales, which fp8kv's ops write and read.
+    `generate` with a PagedCache keeps working on the model. Returns it.
+
+    Refuses, with the reason: a transformers whose continuous batching fp8kv does not support (see
+    transformers_continuous_batching.SUPPORTED_VERSIONS), a model with sliding-window layers, a
+    KVCacheConfig of another layer count, a model that is not float16 or bfloat16. A model whose
+    continuous batching transformers sets up with CUDA graphs or torch.compile is refused when its
+    cache is made."""
+    if not isinstance(kv_cache, KVCacheConfig):
+        raise TypeError(f"kv_cache must be a KVCacheConfig, got {type(kv_cache).__name__}")
+    continuous_batching.install_hooks()
+    continuous_batching.check_model(model, kv_cache)
+    enable(model)
+    continuous_batching.enable_model(model, kv_cache, ATTN_IMPLEMENTATION)
+    return model
+
+
 def new_tokens_mask(*, q_length: int, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """The mask the attention function gets: [batch, q_length] bool, False where a new token is
     padding, or None without a padding mask. A contiguous copy, whose shape and strides do not
@@ -94,6 +115,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     [batch, kv_heads, new, head_size] states just passed to PagedCache.update."""
     handle = getattr(key, _TAG, None)
     if handle is None:
+        cache = kwargs.get("cache")
+        if continuous_batching.serves(cache):
+            return continuous_batching.attend(module, query, key, value, cache, scaling, sliding_window, softcap,
+                                              kwargs), None
         raise RuntimeError(
             "fp8kv attention needs the key returned by a PagedCache update: pass a PagedCache to generate/forward "
             "(**cache_argument(model, PagedCache(...))), and use a model whose attention does not transform the "
