@@ -87,9 +87,8 @@ def enable_continuous_batching(model, kv_cache: KVCacheConfig):
 
     Refuses, with the reason: a transformers whose continuous batching fp8kv does not support (see
     transformers_continuous_batching.SUPPORTED_VERSIONS), a model with sliding-window layers, a
-    KVCacheConfig of another layer count, a model that is not float16 or bfloat16. A model whose
-    continuous batching transformers sets up with CUDA graphs or torch.compile is refused when its
-    cache is made."""
+    KVCacheConfig of another layer count, a model that is not float16 or bfloat16. On CUDA, a
+    page_size fp8kv's kernels do not read is refused when the cache is made."""
     if not isinstance(kv_cache, KVCacheConfig):
         raise TypeError(f"kv_cache must be a KVCacheConfig, got {type(kv_cache).__name__}")
     continuous_batching.install_hooks()

@@ -87,7 +87,7 @@ _PARAMETERS = {
 # The keyword arguments of a continuous-batching forward that fp8kv's attention reads.
 _STEP_ARGUMENTS = ("cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_k", "write_index", "read_index",
                    "block_table")
-# The ContinuousBatchingConfig settings fp8kv reads (its padded inputs are refused, see _check_batching).
+# The ContinuousBatchingConfig settings fp8kv reads (the last three: whether transformers pads the steps).
 _BATCHING_SETTINGS = ("page_size", "cuda_graph_booleans", "varlen_compile_config", "decode_compile_config")
 
 
@@ -242,14 +242,15 @@ def _allocating_fp8_pages(original):
         if kv_cache is None:
             return original(*args, **kwargs)
         device = torch.device(arguments["device"])
-        _check_batching(arguments["continuous_batching_config"], device)
+        batching = arguments["continuous_batching_config"]
+        _check_batching(batching, device)
         # transformers sizes its cache (sectors, blocks, bytes) and views its pages with this one dtype. Its
         # estimate of the activations, which then counts one byte per element, stays above what runs with fp8kv:
         # it also reserves attention masks and a dense copy of the cache read back, which fp8kv never makes.
         arguments["dtype"] = kv_cache.torch_dtype(arguments["dtype"])
         original(*bound.args, **bound.kwargs)
         cache = arguments["self"]
-        _CACHES[cache] = _CacheState(kv_cache, device)
+        _CACHES[cache] = _CacheState(kv_cache, device, _pads_steps(batching))
         logger.info("%s", describe(cache))
 
     return __init__
@@ -257,16 +258,15 @@ def _allocating_fp8_pages(original):
 
 def _check_batching(batching, device: torch.device) -> None:
     """Refuses the settings fp8kv's pages cannot serve, before anything is allocated."""
-    compiled = (batching.varlen_compile_config, batching.decode_compile_config) != (None, None)
-    if any(batching.cuda_graph_booleans) or compiled:
-        # Both pad a step's tokens to fixed sizes, with rows outside every sequence.
-        raise ValueError("fp8kv's continuous batching does not run transformers' CUDA graphs or torch.compile of the "
-                         f"step yet: use_cuda_graph is {batching.use_cuda_graph}, varlen_compile_config "
-                         f"{batching.varlen_compile_config}, decode_compile_config {batching.decode_compile_config}; "
-                         "leave them unset (and default_compile_level 0)")
     if device.type == "cuda" and has_cuda_kernels() and batching.page_size not in supported_values("cuda_block_sizes"):
         raise ValueError(f"page_size {batching.page_size}: fp8kv's CUDA kernels read pages of "
                          f"{', '.join(map(str, supported_values('cuda_block_sizes')))} tokens")
+
+
+def _pads_steps(batching) -> bool:
+    """Whether transformers pads the steps to fixed sizes: it does under CUDA graphs and torch.compile."""
+    compiled = (batching.varlen_compile_config, batching.decode_compile_config) != (None, None)
+    return any(batching.cuda_graph_booleans) or compiled
 
 
 def _leaving_writes_to_attention(original):
@@ -308,10 +308,11 @@ def _keeping_decode_fast_path(original):
 
 class _CacheState:
     """fp8kv's part of one transformers cache: its layers' PagedAttention modules and caches, and the
-    index tensors of the step being run (derived once per step, for every layer)."""
+    index tensors of the step being run (derived once per step, for every layer; `padded`: whether
+    transformers pads the steps, see _step_metadata)."""
 
-    def __init__(self, kv_cache: KVCacheConfig, device: torch.device):
-        self.kv_cache = kv_cache
+    def __init__(self, kv_cache: KVCacheConfig, device: torch.device, padded: bool):
+        self.kv_cache, self.padded = kv_cache, padded
         self.layers = LayerAttentions(kv_cache, device)
         self._caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._step: tuple[weakref.ref, BatchMetadata] | None = None
@@ -332,7 +333,7 @@ class _CacheState:
         # same step (a weak reference, so a later step's view at a recycled address is not mistaken for it).
         seq_ends = kwargs["cu_seq_lens_k"][allocator.layer_type]
         if self._step is None or self._step[0]() is not seq_ends:
-            self._step = weakref.ref(seq_ends), _step_metadata(allocator, seq_ends, kwargs)
+            self._step = weakref.ref(seq_ends), _step_metadata(allocator, seq_ends, kwargs, self.padded)
         return self._step[1]
 
 
@@ -344,7 +345,7 @@ def serves(cache) -> bool:
     return cache is not None and cache in _CACHES
 
 
-def _step_metadata(allocator, seq_ends: torch.Tensor, kwargs: dict) -> BatchMetadata:
+def _step_metadata(allocator, seq_ends: torch.Tensor, kwargs: dict, padded: bool) -> BatchMetadata:
     """The step's slots, block tables, lengths and query offsets, on the device, without waiting for it.
 
     transformers numbers a layer's cache by rows: row r is in block r // block_stride, at position r %
@@ -353,7 +354,12 @@ def _step_metadata(allocator, seq_ends: torch.Tensor, kwargs: dict) -> BatchMeta
     ends the lengths; the new token goes at the last position. Otherwise the write indices are the new
     tokens' rows, and the read indices list every request's rows in order (where no request reads the
     cache, every one is a new prompt and its rows are the ones it writes): the first row of each page
-    gives the block."""
+    gives the block.
+
+    Where the step is `padded` (under CUDA graphs or torch.compile), transformers pads it to a fixed
+    size: on the decode fast path with requests of length 0, which get no slot and which the kernel
+    answers with zeros; otherwise with query rows past the last request's (cu_seq_lens_q[-1] < rows),
+    which no request owns: see _owning_padding_rows. Their output is never read."""
     page, block_stride = allocator.tokens_per_page, allocator.block_physical_stride
     seq_lens = (seq_ends[1:] - seq_ends[:-1]).to(torch.int32)
     block_table = kwargs["block_table"]
@@ -371,7 +377,22 @@ def _step_metadata(allocator, seq_ends: torch.Tensor, kwargs: dict) -> BatchMeta
     firsts = (seq_ends[:-1].long().unsqueeze(1) + offsets).clamp(max=rows.numel() - 1)
     tables = torch.where(offsets < seq_lens.unsqueeze(1), rows[firsts] // block_stride, 0).to(torch.int32)
     slots = write_rows // block_stride * page + write_rows % block_stride
-    return BatchMetadata(slots, tables, seq_lens, kwargs["cu_seq_lens_q"])
+    batch = BatchMetadata(slots, tables, seq_lens, kwargs["cu_seq_lens_q"])
+    return _owning_padding_rows(batch, page) if padded else batch
+
+
+def _owning_padding_rows(batch: BatchMetadata, page: int) -> BatchMetadata:
+    """`batch` with its padding rows (those past cu_seqlens_q[-1]) unwritten and owned by one more
+    sequence, of those rows only, over block 0 (in transformers' never-allocated trash sectors)."""
+    num_rows = batch.num_tokens
+    query_ends = batch.cu_seqlens_q
+    is_padding = torch.arange(num_rows, device=query_ends.device) >= query_ends[-1]
+    tables = batch.block_tables
+    tables = torch.nn.functional.pad(tables, (0, max(0, -(-num_rows // page) - tables.shape[1])))
+    return BatchMetadata(batch.slot_mapping.masked_fill(is_padding, -1),
+                         torch.cat([tables, tables.new_zeros(1, tables.shape[1])]),
+                         torch.cat([batch.seq_lens, num_rows - query_ends[-1:]]),
+                         torch.cat([query_ends, query_ends.new_full((1,), num_rows)]))
 
 
 @torch.compiler.disable  # eager, as transformers' own cache update: the step's indices are derived in Python
