@@ -10,12 +10,16 @@ attention function (the "fp8kv" attention of fp8kv.integrations.transformers) wr
 new K/V into their pages with `fp8kv.ops.reshape_and_cache`, its slots being transformers' write
 indices (which count rows of the page views), and attends over the pages with
 `fp8kv.ops.paged_attention`, over transformers' own block table on the decode fast path and over
-tables derived from its read indices otherwise. Four private parts of transformers are hooked, for
+tables derived from its read indices otherwise. Five private parts of transformers are hooked, for
 models enabled here only:
 
 - `PagedAttentionCache.__init__` runs with the cache's storage dtype: transformers then sizes its
   sectors, blocks and memory in FP8 bytes (a budget holds twice the blocks of a bf16 cache, and the
   sizes it reports are those of the FP8 pages) and views its pages as FP8 tensors;
+- `PagedAttentionMemoryHandler.__init__`, which estimates what a step needs beside the cache when
+  the cache is sized from the memory left, counts the activations in the model's dtype (not the
+  cache's), and neither the attention masks nor the dense copy of the cache read back that
+  transformers' own attention makes and fp8kv's does not;
 - `PagedAttentionCache.update` (which the model calls itself from transformers 5.24 on) writes
   nothing: it hands the cache to the attention function, as earlier versions do;
 - `ContinuousBatchingManager.switch_to_cb_friendly_attn` accepts fp8kv's attention;
@@ -33,6 +37,7 @@ import functools
 import inspect
 import logging
 import weakref
+from typing import NamedTuple
 
 import torch
 from packaging.version import Version
@@ -79,6 +84,7 @@ _PARAMETERS = {
     "PagedAttentionCache.__init__": ("self", "config", "continuous_batching_config", "device", "distributed_helper",
                                      "dtype"),
     "PagedAttentionCache.update": ("self", "key_states", "value_states", "layer_idx", "kwargs"),
+    "PagedAttentionMemoryHandler.__init__": ("self", "config", "cb_config", "dtype"),
     "ContinuousBatchingManager.switch_to_cb_friendly_attn": ("self", "model", "auto_switch_to_flash"),
     "ensure_decode_fast_path_is_available": ("config", "cb_config", "user_requested"),
     "FullAttentionCacheAllocator.get_cache_for_block_table": ("self", "layer_idx"),
@@ -87,6 +93,8 @@ _PARAMETERS = {
 # The keyword arguments of a continuous-batching forward that fp8kv's attention reads.
 _STEP_ARGUMENTS = ("cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_k", "write_index", "read_index",
                    "block_table")
+# The reserves of PagedAttentionMemoryHandler that fp8kv's caches set, in its __init__.
+_MEMORY_RESERVES = ("activation_dtype", "num_attention_masks", "kv_heads_at_peak")
 # The ContinuousBatchingConfig settings fp8kv reads (the last three: whether transformers pads the steps).
 _BATCHING_SETTINGS = ("page_size", "cuda_graph_booleans", "varlen_compile_config", "decode_compile_config")
 
@@ -107,11 +115,13 @@ class _Transformers:
         except ImportError as e:
             raise _unsupported(version, f"{e}") from None
         self.cache, self.initialization = cache, initialization
+        self.memory_handler = cache.PagedAttentionMemoryHandler
         self.manager = continuous_api.ContinuousBatchingManager
         self.full_attention = getattr(cache_allocators, "FULL_ATTENTION", None)
         functions = {
             "PagedAttentionCache.__init__": cache.PagedAttentionCache.__init__,
             "PagedAttentionCache.update": cache.PagedAttentionCache.update,
+            "PagedAttentionMemoryHandler.__init__": self.memory_handler.__init__,
             "ContinuousBatchingManager.switch_to_cb_friendly_attn": getattr(self.manager, "switch_to_cb_friendly_attn",
                                                                             None),
             "ensure_decode_fast_path_is_available": getattr(initialization, "ensure_decode_fast_path_is_available",
@@ -124,6 +134,8 @@ class _Transformers:
         step_arguments = getattr(input_outputs, "PagedAttentionArgs", dict).__annotations__
         problems.append(_missing("PagedAttentionArgs", _STEP_ARGUMENTS, step_arguments))
         problems.append(_missing("ContinuousBatchingConfig", _BATCHING_SETTINGS, dir(ContinuousBatchingConfig)))
+        problems.append(_missing("PagedAttentionMemoryHandler.__init__", _MEMORY_RESERVES,
+                                 self.memory_handler.__init__.__code__.co_names))
         if self.full_attention != "full_attention":
             problems.append(f"cache_allocators.FULL_ATTENTION is {self.full_attention!r}, not 'full_attention'")
         problems = [p for p in problems if p]
@@ -159,6 +171,7 @@ def install_hooks() -> None:
     cache_class = checked.cache.PagedAttentionCache
     cache_class.__init__ = _allocating_fp8_pages(cache_class.__init__)
     cache_class.update = _leaving_writes_to_attention(cache_class.update)
+    checked.memory_handler.__init__ = _reserving_for_fp8kv(checked.memory_handler.__init__)
     checked.manager.switch_to_cb_friendly_attn = _accepting_fp8kv_attention(checked.manager.switch_to_cb_friendly_attn)
     checked.initialization.ensure_decode_fast_path_is_available = _keeping_decode_fast_path(
         checked.initialization.ensure_decode_fast_path_is_available)
@@ -168,23 +181,28 @@ def install_hooks() -> None:
 # ----------------------------------------------------------------------------- enabled models
 
 
+class _Enabled(NamedTuple):
+    kv_cache: KVCacheConfig
+    model_dtype: torch.dtype  # the activations' dtype
+
+
 class _EnabledConfigs:
-    """The KVCacheConfig of each model config enabled for continuous batching, while the config
-    lives and its attention is fp8kv's (a config is mutable, so not hashable: held by identity)."""
+    """What each model config enabled for continuous batching runs with, while the config lives and
+    its attention is fp8kv's (a config is mutable, so not hashable: held by identity)."""
 
     def __init__(self):
-        self._entries: dict[int, tuple[weakref.ref, KVCacheConfig, str]] = {}
+        self._entries: dict[int, tuple[weakref.ref, str, _Enabled]] = {}
 
-    def add(self, config, kv_cache: KVCacheConfig, attn_implementation: str) -> None:
+    def add(self, config, attn_implementation: str, enabled: _Enabled) -> None:
         key = id(config)
-        self._entries[key] = (weakref.ref(config, lambda _: self._entries.pop(key, None)), kv_cache,
-                              attn_implementation)
+        self._entries[key] = (weakref.ref(config, lambda _: self._entries.pop(key, None)), attn_implementation,
+                              enabled)
 
-    def kv_cache(self, config) -> KVCacheConfig | None:
+    def get(self, config) -> _Enabled | None:
         entry = self._entries.get(id(config))
-        if entry is None or entry[0]() is not config or config._attn_implementation != entry[2]:
+        if entry is None or entry[0]() is not config or config._attn_implementation != entry[1]:
             return None
-        return entry[1]
+        return entry[2]
 
 
 _ENABLED = _EnabledConfigs()
@@ -224,7 +242,7 @@ def check_model(model, kv_cache: KVCacheConfig) -> None:
 def enable_model(model, kv_cache: KVCacheConfig, attn_implementation: str) -> None:
     """Gives `model`'s continuous batching `kv_cache`'s pages (its attention must be, and stay,
     `attn_implementation`, fp8kv's)."""
-    _ENABLED.add(model.config.get_text_config(), kv_cache, attn_implementation)
+    _ENABLED.add(model.config.get_text_config(), attn_implementation, _Enabled(kv_cache, model.dtype))
 
 
 # ----------------------------------------------------------------------------- the hooks
@@ -238,15 +256,15 @@ def _allocating_fp8_pages(original):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         arguments = bound.arguments
-        kv_cache = _ENABLED.kv_cache(arguments["config"])
-        if kv_cache is None:
+        enabled = _ENABLED.get(arguments["config"])
+        if enabled is None:
             return original(*args, **kwargs)
+        kv_cache = enabled.kv_cache
         device = torch.device(arguments["device"])
         batching = arguments["continuous_batching_config"]
         _check_batching(batching, device)
-        # transformers sizes its cache (sectors, blocks, bytes) and views its pages with this one dtype. Its
-        # estimate of the activations, which then counts one byte per element, stays above what runs with fp8kv:
-        # it also reserves attention masks and a dense copy of the cache read back, which fp8kv never makes.
+        # transformers sizes its cache (sectors, blocks, bytes) and views its pages with this one dtype (its
+        # estimate of the activations then counts the model's, see _reserving_for_fp8kv).
         arguments["dtype"] = kv_cache.torch_dtype(arguments["dtype"])
         original(*bound.args, **bound.kwargs)
         cache = arguments["self"]
@@ -269,6 +287,21 @@ def _pads_steps(batching) -> bool:
     return any(batching.cuda_graph_booleans) or compiled
 
 
+def _reserving_for_fp8kv(original):
+    @functools.wraps(original)
+    def __init__(self, config, *args, **kwargs):
+        original(self, config, *args, **kwargs)
+        enabled = _ENABLED.get(config)
+        if enabled is not None:
+            # fp8kv's attention reads the pages in place: no dense copy of the cache (reserved per cache token and
+            # per step token) and no mask. Its own temporaries per step token (q, k, v made contiguous, the output)
+            # are the size of the projections counted already, and well inside max_memory_percent's margin.
+            self.activation_dtype = enabled.model_dtype
+            self.num_attention_masks = self.kv_heads_at_peak = 0
+
+    return __init__
+
+
 def _leaving_writes_to_attention(original):
     @functools.wraps(original)
     def update(self, key_states, value_states, layer_idx, kwargs):
@@ -284,7 +317,7 @@ def _accepting_fp8kv_attention(original):
     @functools.wraps(original)
     def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
         config = model.config.get_text_config()
-        if _ENABLED.kv_cache(config) is None:
+        if _ENABLED.get(config) is None:
             return original(self, model, *args, **kwargs)
         # fp8kv's attention runs on transformers' paged cache as it is: nothing to switch.
         return None
@@ -295,7 +328,7 @@ def _accepting_fp8kv_attention(original):
 def _keeping_decode_fast_path(original):
     @functools.wraps(original)
     def ensure_decode_fast_path_is_available(config, cb_config, user_requested):
-        if _ENABLED.kv_cache(config) is None:
+        if _ENABLED.get(config) is None:
             return original(config, cb_config, user_requested)
         # fp8kv's kernels read transformers' block table on every device: max_blocks_per_request stays as resolved.
         return None
