@@ -11,19 +11,26 @@ anywhere in the cache would show.
 """
 
 import multiprocessing
+import pathlib
 import re
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from fp8kv.integrations import transformers_continuous_batching as continuous_batching  # noqa: E402
+
+try:  # outside the releases it supports (test_continuous_batching_unsupported.py checks the error)
+    continuous_batching.install_hooks()
+except continuous_batching.UnsupportedTransformersError as e:
+    pytest.skip(str(e), allow_module_level=True)
+
 from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 from transformers.generation.continuous_batching import cache as transformers_cache  # noqa: E402
 from transformers.generation.continuous_batching import continuous_api, initialization  # noqa: E402
 
 from fp8kv.evaluate.caches import kv_cache_configs  # noqa: E402
 from fp8kv.formats import KVCacheConfig  # noqa: E402
-from fp8kv.integrations import transformers_continuous_batching as continuous_batching  # noqa: E402
 from fp8kv.integrations.transformers import PagedCache, cache_argument, enable_continuous_batching  # noqa: E402
 
 VOCAB, NEW_TOKENS, PAGE = 64, 12, 16
@@ -439,3 +446,14 @@ def test_smollm2_generate_batch_gives_the_tokens_of_paged_cache_generate():
     outputs = generate_batch(enable_continuous_batching(model, config), prompts, max_batch_tokens=128,
                              max_requests_per_batch=1)
     assert_same_as_reference(model, config, prompts, outputs)
+
+
+def test_the_serve_extra_requires_the_supported_transformers():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
+    from packaging.requirements import Requirement
+
+    with open(pathlib.Path(__file__).parents[2] / "pyproject.toml", "rb") as f:
+        serve = [Requirement(r) for r in tomllib.load(f)["project"]["optional-dependencies"]["serve"]]
+    (required,) = [r for r in serve if r.name == "transformers"]
+    assert required.specifier == Requirement(continuous_batching._requirement()).specifier
+    assert required.extras == {"serving"}
