@@ -4,8 +4,9 @@ the format of a KVCacheConfig, written and read by fp8kv's ops.
 transformers' continuous batching (`model.generate_batch`, `model.init_continuous_batching`, the
 `ContinuousBatchingManager`, and the server of `transformers serve --continuous-batching`) schedules
 requests under a token budget, chunks long prefills, shares prompt prefixes between requests, forks
-requests (`num_return_sequences`) and runs a decode fast path, all over a paged cache it allocates
-itself (`PagedAttentionCache`). fp8kv keeps all of that and changes what the pages hold. Its
+requests (`num_return_sequences`), runs a decode fast path and, under CUDA graphs or torch.compile,
+pads steps to fixed sizes, all over a paged cache it allocates itself (`PagedAttentionCache`). fp8kv
+keeps all of that and changes what the pages hold. Its
 attention function (the "fp8kv" attention of fp8kv.integrations.transformers) writes each step's
 new K/V into their pages with `fp8kv.ops.reshape_and_cache`, its slots being transformers' write
 indices (which count rows of the page views), and attends over the pages with
