@@ -29,8 +29,12 @@ from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConf
 from transformers.generation.continuous_batching import cache as transformers_cache  # noqa: E402
 from transformers.generation.continuous_batching import continuous_api, initialization  # noqa: E402
 
+from safetensors.torch import save_file  # noqa: E402
+
+from fp8kv import load_kv_cache_config  # noqa: E402
 from fp8kv.evaluate.caches import kv_cache_configs  # noqa: E402
 from fp8kv.formats import KVCacheConfig  # noqa: E402
+from fp8kv.rotation import Rotation  # noqa: E402
 from fp8kv.integrations.transformers import PagedCache, cache_argument, enable_continuous_batching  # noqa: E402
 
 VOCAB, NEW_TOKENS, PAGE = 64, 12, 16
@@ -171,6 +175,29 @@ def test_generate_batch_gives_the_tokens_of_paged_cache_generate(cache_name, ste
     assert_same_as_reference(model, config, prompts, outputs)
     assert steps.chunked_prefills() > 0
     assert sum(steps.decode) > 0 and max(rows for rows, decode in zip(steps.rows, steps.decode) if decode) > 1
+
+
+def test_checkpoint_scales_give_the_same_text_on_fn_and_fnuz_pages(tmp_path):
+    # Scales read from a checkpoint (per KV head, calibrated for e4m3fn) by load_kv_cache_config, which
+    # doubles them for an e4m3fnuz cache: both caches then hold the same bits (the default, rotated
+    # recipe, whose scales the loader derives from the plain ones), so the text and its
+    # log-probabilities are the same, and those of PagedCache + generate.
+    model = tiny_model()
+    plain = kv_cache(model, "e4m3-head")
+    model.save_pretrained(tmp_path)
+    save_file({f"model.layers.{i}.self_attn.{name}_scale": torch.tensor(getattr(plain, f"{name}_scales")[i])
+               for i in range(2) for name in ("k", "v")}, str(tmp_path / "kv_scales.safetensors"))
+    prompts = random_prompts([5, 40, 23])
+    configs = {fmt: load_kv_cache_config(tmp_path, fmt) for fmt in ("float8_e4m3fn", "float8_e4m3fnuz")}
+    assert configs["float8_e4m3fn"].rotation is Rotation.HADAMARD
+    assert configs["float8_e4m3fnuz"].k_scales == tuple(tuple(2 * s for s in layer)
+                                                       for layer in configs["float8_e4m3fn"].k_scales)
+    outputs = {}
+    for fmt, config in configs.items():
+        outputs[fmt] = generate_batch(enable_continuous_batching(model, config), prompts)
+        assert_same_as_reference(model, config, prompts, outputs[fmt])
+    assert [(o.generated_tokens, o.logprobs) for o in outputs["float8_e4m3fn"]] == [
+        (o.generated_tokens, o.logprobs) for o in outputs["float8_e4m3fnuz"]]
 
 
 def test_the_formats_give_different_text():
