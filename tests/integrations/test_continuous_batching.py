@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from fp8kv.integrations import transformers_continuous_batching as continuous_batching  # noqa: E402
 
 try:  # outside the releases it supports (test_continuous_batching_unsupported.py checks the error)
-    continuous_batching.install_hooks()
+    continuous_batching.check_transformers()
 except continuous_batching.UnsupportedTransformersError as e:
     pytest.skip(str(e), allow_module_level=True)
 
@@ -437,6 +437,7 @@ def transformers_own_tokens(enable_another_model_first: bool) -> list:
     """generate_batch's tokens and log-probabilities for a model fp8kv does not enable (sdpa, bf16
     pages), in a new interpreter: with or without fp8kv's hooks installed by another model."""
     torch.set_num_threads(1)
+    assert continuous_batching._TRANSFORMERS is None
     if enable_another_model_first:
         enable_continuous_batching(tiny_model(seed=1), KVCacheConfig.unit_scales("e4m3", 2))
         assert continuous_batching._TRANSFORMERS is not None
@@ -445,8 +446,8 @@ def transformers_own_tokens(enable_another_model_first: bool) -> list:
 
 
 def test_a_model_not_enabled_keeps_transformers_own_continuous_batching():
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        assert pool.apply(transformers_own_tokens, (True,)) == pool.apply(transformers_own_tokens, (False,))
+    with multiprocessing.get_context("spawn").Pool(1, maxtasksperchild=1) as pool:  # a new interpreter each
+        assert pool.apply(transformers_own_tokens, (False,)) == pool.apply(transformers_own_tokens, (True,))
 
 
 # ----------------------------------------------------------------------------- the real model

@@ -11,7 +11,7 @@ from fp8kv.integrations import transformers_continuous_batching as continuous_ba
 from fp8kv.integrations.transformers import enable_continuous_batching  # noqa: E402
 
 try:
-    continuous_batching.install_hooks()
+    continuous_batching.check_transformers()
 except continuous_batching.UnsupportedTransformersError:
     pass
 else:

@@ -161,6 +161,12 @@ def _missing(owner: str, names: tuple[str, ...], present) -> str | None:
 _TRANSFORMERS: _Transformers | None = None
 
 
+def check_transformers() -> None:
+    """Raises UnsupportedTransformersError where install_hooks would refuse the installed
+    transformers; installs nothing."""
+    _Transformers()
+
+
 def install_hooks() -> None:
     """Checks the installed transformers and installs the hooks, once (later calls do nothing).
     Raises UnsupportedTransformersError, installing nothing, where the version is outside
