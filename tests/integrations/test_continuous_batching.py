@@ -25,17 +25,16 @@ try:  # outside the releases it supports (test_continuous_batching_unsupported.p
 except continuous_batching.UnsupportedTransformersError as e:
     pytest.skip(str(e), allow_module_level=True)
 
+from safetensors.torch import save_file  # noqa: E402
 from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 from transformers.generation.continuous_batching import cache as transformers_cache  # noqa: E402
 from transformers.generation.continuous_batching import continuous_api, initialization  # noqa: E402
 
-from safetensors.torch import save_file  # noqa: E402
-
 from fp8kv import load_kv_cache_config  # noqa: E402
 from fp8kv.evaluate.caches import kv_cache_configs  # noqa: E402
 from fp8kv.formats import KVCacheConfig  # noqa: E402
-from fp8kv.rotation import Rotation  # noqa: E402
 from fp8kv.integrations.transformers import PagedCache, cache_argument, enable_continuous_batching  # noqa: E402
+from fp8kv.rotation import Rotation  # noqa: E402
 
 VOCAB, NEW_TOKENS, PAGE = 64, 12, 16
 # Every format and recipe, with scales (and K offsets) calibrated per KV head on the model
@@ -47,15 +46,15 @@ CACHES = ["auto", "e4m3-head", "e4m3-rotated-head", "e4m3-centred-head", "e5m2-h
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-def tiny_model(seed: int = 0, attn_implementation: str = "sdpa", **config):
+def tiny_model(seed: int = 0):
     """A 2-layer GQA Llama (4 query and 2 KV heads of 64, a 64-token vocabulary) with random bf16
     weights, spread 5x transformers' default so that greedy text changes token to token rather than
-    repeating one."""
-    config = transformers.LlamaConfig(**{
-        "vocab_size": VOCAB, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-        "initializer_range": 0.1, **config})
-    config._attn_implementation = attn_implementation
+    repeating one; sdpa attention (what transformers' own continuous batching runs on CPU) until
+    enabled."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
+    config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
 
@@ -401,7 +400,8 @@ def test_an_unsupported_transformers_is_one_error_and_installs_nothing(version, 
 
 
 def test_a_changed_private_signature_is_one_error_and_installs_nothing(uninstalled, monkeypatch):
-    monkeypatch.setattr(continuous_api.ContinuousBatchingManager, "switch_to_cb_friendly_attn", lambda self, model: None)
+    monkeypatch.setattr(continuous_api.ContinuousBatchingManager, "switch_to_cb_friendly_attn",
+                        lambda self, model: None)
     monkeypatch.delattr(initialization, "ensure_decode_fast_path_is_available")
     before = hooked_functions(HOOKED[:-1])
     with pytest.raises(continuous_batching.UnsupportedTransformersError,
