@@ -400,6 +400,12 @@ def test_an_unsupported_transformers_is_one_error_and_installs_nothing(version, 
 
 
 def test_a_changed_private_signature_is_one_error_and_installs_nothing(uninstalled, monkeypatch):
+    # A renamed parameter, a function gone, and a memory handler that no longer sets the reserves fp8kv
+    # changes: all three in the one error.
+    def memory_handler_init(self, config, cb_config, dtype, *args, **kwargs):
+        self.cache_dtype = dtype
+
+    monkeypatch.setattr(transformers_cache.PagedAttentionMemoryHandler, "__init__", memory_handler_init)
     monkeypatch.setattr(continuous_api.ContinuousBatchingManager, "switch_to_cb_friendly_attn",
                         lambda self, model: None)
     monkeypatch.delattr(initialization, "ensure_decode_fast_path_is_available")
@@ -407,7 +413,8 @@ def test_a_changed_private_signature_is_one_error_and_installs_nothing(uninstall
     with pytest.raises(continuous_batching.UnsupportedTransformersError,
                        match=r"\(ContinuousBatchingManager.switch_to_cb_friendly_attn takes \(self, model\), not "
                              r"\(self, model, auto_switch_to_flash, ...\); it has no "
-                             r"ensure_decode_fast_path_is_available\): .* -m pip install"):
+                             r"ensure_decode_fast_path_is_available; PagedAttentionMemoryHandler.__init__ has no "
+                             r"activation_dtype, num_attention_masks, kv_heads_at_peak\): .* -m pip install"):
         enable_continuous_batching(tiny_model(), KVCacheConfig.unit_scales("e4m3", 2))
     assert hooked_functions(HOOKED[:-1]) == before and continuous_batching._TRANSFORMERS is None
 

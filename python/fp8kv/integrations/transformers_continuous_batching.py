@@ -136,7 +136,7 @@ class _Transformers:
         problems.append(_missing("PagedAttentionArgs", _STEP_ARGUMENTS, step_arguments))
         problems.append(_missing("ContinuousBatchingConfig", _BATCHING_SETTINGS, dir(ContinuousBatchingConfig)))
         problems.append(_missing("PagedAttentionMemoryHandler.__init__", _MEMORY_RESERVES,
-                                 self.memory_handler.__init__.__code__.co_names))
+                                 inspect.unwrap(self.memory_handler.__init__).__code__.co_names))
         if self.full_attention != "full_attention":
             problems.append(f"cache_allocators.FULL_ATTENTION is {self.full_attention!r}, not 'full_attention'")
         problems = [p for p in problems if p]
