@@ -99,8 +99,9 @@ def run(args: argparse.Namespace) -> int:
 
     with blame("--model"):
         kv_cache = load_kv_cache_config(model_dir, args.kv_cache_dtype)
-    listener = _bind(args.host, args.port)
     device = args.device or arguments.default_device()
+    batching = _batching(args, model_dir, kv_cache, device)
+    listener = _bind(args.host, args.port)
     with blame("--model", (OSError, ValueError, ImportError)):
         model = load_causal_lm(model_dir, DTYPES[args.dtype]).to(device).eval()
     try:
@@ -109,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"argument --model: {e}") from e
     except continuous_batching.UnsupportedTransformersError as e:
         raise CommandError(str(e)) from e
-    server = _Server(serving, args, model, tokenizer, kv_cache)
+    server = _Server(serving, args.model, model, tokenizer, batching)
     try:
         pages = continuous_batching.describe(server.start_worker()).removeprefix("fp8kv: ")
         host, port = listener.getsockname()[:2]
@@ -194,17 +195,9 @@ def _bind(host: str, port: int) -> socket.socket:
 class _Server:
     """transformers' server application for one model with fp8kv's continuous batching."""
 
-    def __init__(self, serving: _ServingModules, args: argparse.Namespace, model, tokenizer, kv_cache):
-        from transformers import ContinuousBatchingConfig
-
-        self.model, self.args = model, args
-        memory = args.kv_cache_memory or (CPU_KV_CACHE_GIB if model.device.type == "cpu" else None)
-        settings = {"num_blocks": None if memory is None else _blocks(memory, model, kv_cache),
-                    "max_batch_tokens": args.max_num_batched_tokens, "max_requests_per_batch": args.max_num_seqs}
-        # fp8kv's continuous batching runs without transformers' CUDA graphs (its pages refuse them).
-        batching = ContinuousBatchingConfig(use_cuda_graph=False,
-                                            **{name: value for name, value in settings.items() if value is not None})
-        self.models = _one_model_manager(serving)(args.model, model, tokenizer)
+    def __init__(self, serving: _ServingModules, name: str, model, tokenizer, batching):
+        self.name, self.model = name, model
+        self.models = _one_model_manager(serving)(name, model, tokenizer)
         self.generation = serving.utils.GenerationState(continuous_batching=True, cb_config=batching)
         handlers = {"model_manager": self.models, "generation_state": self.generation}
         self.chat = serving.chat_completion.ChatCompletionHandler(**handlers)
@@ -218,7 +211,7 @@ class _Server:
     def start_worker(self):
         """Starts the continuous-batching worker with the sampling of a request that sets none (transformers'
         server shares the first request's among all) and returns its cache once allocated."""
-        model_id = self.models.process_model_name(self.args.model)
+        model_id = self.models.process_model_name(self.name)
         self.worker = self.generation.get_manager(model_id, use_cb=True)
         self.worker.init_cb(self.model, self.chat._build_generation_config({}, self.model.generation_config,
                                                                             use_cb=True))
@@ -240,17 +233,30 @@ class _Server:
         self.generation.shutdown()
 
 
-def _blocks(memory_gib: float, model, kv_cache) -> int:
+def _batching(args: argparse.Namespace, model_dir, kv_cache, device):
+    """transformers' ContinuousBatchingConfig for the options, checked before the model loads."""
+    from transformers import AutoConfig, ContinuousBatchingConfig
+
+    settings = {"max_batch_tokens": args.max_num_batched_tokens, "max_requests_per_batch": args.max_num_seqs}
+    memory = args.kv_cache_memory or (CPU_KV_CACHE_GIB if device.type == "cpu" else None)
+    if memory is not None:
+        with blame("--model"):
+            config = AutoConfig.from_pretrained(model_dir).get_text_config()
+        settings["num_blocks"] = _blocks(memory, config, kv_cache.torch_dtype(DTYPES[args.dtype]).itemsize)
+    # fp8kv's pages refuse transformers' CUDA graphs of the step.
+    return ContinuousBatchingConfig(use_cuda_graph=False,
+                                    **{name: value for name, value in settings.items() if value is not None})
+
+
+def _blocks(memory_gib: float, config, element_bytes: int) -> int:
     """transformers' num_blocks for `memory_gib` of pages: a block holds a page of K and V per layer."""
     from transformers import ContinuousBatchingConfig
 
     from ..checkpoint.config import model_head_size
 
-    config = model.config.get_text_config()
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     page_size = ContinuousBatchingConfig.page_size
-    block_bytes = (config.num_hidden_layers * 2 * kv_heads * model_head_size(config.to_dict()) * page_size
-                   * kv_cache.torch_dtype(model.dtype).itemsize)
+    block_bytes = config.num_hidden_layers * 2 * kv_heads * model_head_size(config.to_dict()) * page_size * element_bytes
     blocks = int(memory_gib * 2**30) // block_bytes
     if blocks == 0:
         raise CommandError(f"argument --kv-cache-memory: {memory_gib:g} GiB holds no block of {page_size} tokens "
