@@ -36,7 +36,14 @@ from fp8kv.cli import main  # noqa: E402
 from fp8kv.commands.arguments import FP8  # noqa: E402
 from fp8kv.formats import KVCacheConfig, format_names  # noqa: E402
 from fp8kv.integrations.transformers import PagedCache, cache_argument, enable  # noqa: E402
+from fp8kv.integrations.transformers_continuous_batching import (UnsupportedTransformersError,  # noqa: E402
+                                                                  install_hooks)
 from fp8kv.loading import load_causal_lm  # noqa: E402
+
+try:  # what the server does first with the model: refused outside the transformers releases it supports
+    install_hooks()
+except UnsupportedTransformersError as e:
+    pytest.skip(str(e), allow_module_level=True)
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -253,9 +260,9 @@ def run(args: list[str], capsys) -> tuple[int, str]:
     (["--port", "65536"], "--port", "expected a TCP port, 0 to 65535, got '65536'"),
     (["--port", "-1"], "--port", "expected a TCP port, 0 to 65535, got '-1'"),
     (["--port", "http"], "--port", "expected a TCP port, 0 to 65535, got 'http'"),
-    (["--kv-cache-memory", "-1"], "--kv-cache-memory", "expected a positive number of GiB, got '-1'"),
-    (["--kv-cache-memory", "0"], "--kv-cache-memory", "expected a positive number of GiB, got '0'"),
-    (["--kv-cache-memory", "inf"], "--kv-cache-memory", "expected a positive number of GiB, got 'inf'"),
+    (["--kv-cache-memory", "-1"], "--kv-cache-memory", "expected a positive number, got '-1'"),
+    (["--kv-cache-memory", "0"], "--kv-cache-memory", "expected a positive number, got '0'"),
+    (["--kv-cache-memory", "inf"], "--kv-cache-memory", "expected a positive number, got 'inf'"),
     (["--max-num-seqs", "0"], "--max-num-seqs", "expected a positive integer, got '0'"),
     (["--max-num-batched-tokens", "many"], "--max-num-batched-tokens", "expected a positive integer"),
     (["--dtype", "float32"], "--dtype", "invalid choice: 'float32'"),
@@ -310,3 +317,13 @@ def test_errors_are_one_line_without_traceback_as_a_program(tmp_path):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr == ("python -m fp8kv serve: error: argument --port: expected a TCP port, 0 to 65535, got "
                              "'99999'\n")
+
+
+def test_missing_server_packages_say_what_to_install(checkpoint, capsys, monkeypatch):
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "is_serve_available", lambda: False)
+    status, err = run(["--model", str(checkpoint)], capsys)
+    assert status == 1 and err == ("fp8kv serve: error: serve needs transformers' server packages (fastapi, uvicorn, "
+                                   "openai, pydantic): install fp8kv with its [serve] extra: python3 -m pip install "
+                                   '--no-build-isolation ".[serve]" in the source tree (README.md, Install)\n')

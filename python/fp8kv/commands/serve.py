@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import math
 import socket
 import time
 
 from ..evaluate.pipeline import DTYPES, model_directory
 from ..formats import KVCacheDtype, format_names
-from ..models import SMOLLM2_MODEL, SMOLLM2_NAME, pip_install
+from ..models import SMOLLM2_MODEL, SMOLLM2_NAME
 from . import arguments
 from .errors import USAGE_ERROR, CommandError, blame, describe
 
@@ -30,7 +29,8 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 # On CPU, transformers would give the cache 60% of the RAM; vLLM's CPU backend takes 4 GiB by default.
 CPU_KV_CACHE_GIB = 4.0
 SIGINT_STATUS = 130  # 128 + SIGINT, as a shell reports a process interrupted by Ctrl-C
-INSTALL_SERVE = pip_install("transformers[serving]>=5.23,<5.25", "psutil")
+INSTALL_SERVE = ('install fp8kv with its [serve] extra: python3 -m pip install --no-build-isolation ".[serve]" in the '
+                 'source tree (README.md, Install)')
 
 # transformers' private methods overridden or called here, with their parameters, first to last (and
 # CBGenerateManager._cb, its worker, whose error says why it stopped).
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=_port, default=DEFAULT_PORT, metavar="N",
                         help=f"TCP port (default {DEFAULT_PORT}); 0 takes a free one")
-    parser.add_argument("--kv-cache-memory", type=_gib, metavar="GiB",
+    parser.add_argument("--kv-cache-memory", type=arguments.positive_number, metavar="GiB",
                         help="memory of the FP8 pages, in GiB (default: on CUDA transformers' sizing, 90%% of the free "
                         f"memory once the model is loaded; on CPU {CPU_KV_CACHE_GIB:g})")
     parser.add_argument("--max-num-batched-tokens", type=arguments.positive_int, metavar="N",
@@ -74,19 +74,9 @@ def _port(text: str) -> int:
     return value
 
 
-def _gib(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
-    return value
-
-
 def run(args: argparse.Namespace) -> int:
     """Serves until SIGINT or SIGTERM."""
-    serving = _serving_modules()
+    _check_server()
     try:
         model_dir = model_directory(args.model)  # for SMOLLM2_NAME the one-time conversion
     except ValueError as e:  # its message starts with the option
@@ -110,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"argument --model: {e}") from e
     except continuous_batching.UnsupportedTransformersError as e:
         raise CommandError(str(e)) from e
-    server = _Server(serving, args.model, model, tokenizer, batching)
+    server = _Server(args.model, model, tokenizer, batching)
     try:
         pages = continuous_batching.describe(server.start_worker()).removeprefix("fp8kv: ")
         host, port = listener.getsockname()[:2]
@@ -125,42 +115,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _ServingModules:
-    """transformers' server parts, imported and checked (the private methods used here included)."""
+def _check_server() -> None:
+    """Raises a CommandError saying what to install where transformers' server is missing or is not the one
+    whose private methods this command relies on."""
+    import transformers
+    from transformers.utils.import_utils import is_serve_available
 
-    def __init__(self):
-        import transformers
-        from transformers.cli.serving import chat_completion, completion, model_manager, response, server
-        from transformers.cli.serving import systemone, transcription, utils
-
-        self.chat_completion, self.completion, self.response = chat_completion, completion, response
-        self.systemone, self.transcription, self.server, self.utils = systemone, transcription, server, utils
-        self.model_manager = model_manager
-        found = {"ModelManager._load_processor": model_manager.ModelManager._load_processor,
-                 "ModelManager._load_model": model_manager.ModelManager._load_model,
-                 "BaseHandler._build_generation_config": utils.BaseHandler._build_generation_config}
-        problems = [f"{name} takes ({', '.join(parameters)})" for name, expected in _PRIVATE.items()
-                    if (parameters := tuple(inspect.signature(found[name]).parameters))[:len(expected)] != expected]
-        if not hasattr(utils.CBGenerateManager(), "_cb"):
-            problems.append("CBGenerateManager has no _cb")
-        if problems:
-            raise CommandError(f"transformers {transformers.__version__}'s server does not work as fp8kv expects "
-                               f"({'; '.join(problems)}): {INSTALL_SERVE}")
-
-
-def _serving_modules() -> _ServingModules:
-    """transformers' server, or a CommandError saying what to install."""
-    try:
-        from transformers.utils.import_utils import is_serve_available
-    except ImportError as e:
-        raise CommandError(f"serve needs transformers with its server: {INSTALL_SERVE}") from e
     if not is_serve_available():
         raise CommandError(f"serve needs transformers' server packages (fastapi, uvicorn, openai, pydantic): "
                            f"{INSTALL_SERVE}")
     try:
-        return _ServingModules()
-    except (ImportError, AttributeError) as e:
-        raise CommandError(f"this transformers has no server fp8kv can run ({e}): {INSTALL_SERVE}") from e
+        from transformers.cli.serving.model_manager import ModelManager
+        from transformers.cli.serving.utils import BaseHandler, CBGenerateManager
+    except ImportError as e:
+        raise CommandError(f"transformers {transformers.__version__} has no server fp8kv can run ({e}): "
+                           f"{INSTALL_SERVE}") from e
+    found = {"ModelManager._load_processor": ModelManager._load_processor,
+             "ModelManager._load_model": ModelManager._load_model,
+             "BaseHandler._build_generation_config": BaseHandler._build_generation_config}
+    problems = []
+    for name, expected in _PRIVATE.items():
+        parameters = tuple(inspect.signature(found[name]).parameters)
+        if parameters[:len(expected)] != expected:
+            problems.append(f"{name} takes ({', '.join(parameters)})")
+    if not hasattr(CBGenerateManager(), "_cb"):
+        problems.append("CBGenerateManager has no _cb")
+    if problems:
+        raise CommandError(f"transformers {transformers.__version__}'s server does not work as fp8kv expects "
+                           f"({'; '.join(problems)}): {INSTALL_SERVE}")
 
 
 def _tokenizer(model_dir):
@@ -195,17 +177,24 @@ def _bind(host: str, port: int) -> socket.socket:
 class _Server:
     """transformers' server application for one model with fp8kv's continuous batching."""
 
-    def __init__(self, serving: _ServingModules, name: str, model, tokenizer, batching):
+    def __init__(self, name: str, model, tokenizer, batching):
+        from transformers.cli.serving.chat_completion import ChatCompletionHandler
+        from transformers.cli.serving.completion import CompletionHandler
+        from transformers.cli.serving.response import ResponseHandler
+        from transformers.cli.serving.server import build_server
+        from transformers.cli.serving.systemone import SystemOneHandler
+        from transformers.cli.serving.transcription import TranscriptionHandler
+        from transformers.cli.serving.utils import GenerationState
+
         self.name, self.model = name, model
-        self.models = _one_model_manager(serving)(name, model, tokenizer)
-        self.generation = serving.utils.GenerationState(continuous_batching=True, cb_config=batching)
+        self.models = _one_model_manager()(name, model, tokenizer)
+        self.generation = GenerationState(continuous_batching=True, cb_config=batching)
         handlers = {"model_manager": self.models, "generation_state": self.generation}
-        self.chat = serving.chat_completion.ChatCompletionHandler(**handlers)
-        self.app = serving.server.build_server(
-            self.models, self.chat, completion_handler=serving.completion.CompletionHandler(**handlers),
-            response_handler=serving.response.ResponseHandler(**handlers),
-            transcription_handler=serving.transcription.TranscriptionHandler(**handlers),
-            systemone_handler=serving.systemone.SystemOneHandler(**handlers), generation_state=self.generation)
+        self.chat = ChatCompletionHandler(**handlers)
+        self.app = build_server(self.models, self.chat, completion_handler=CompletionHandler(**handlers),
+                                response_handler=ResponseHandler(**handlers),
+                                transcription_handler=TranscriptionHandler(**handlers),
+                                systemone_handler=SystemOneHandler(**handlers), generation_state=self.generation)
         self.worker = None
 
     def start_worker(self):
@@ -256,7 +245,8 @@ def _blocks(memory_gib: float, config, element_bytes: int) -> int:
 
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     page_size = ContinuousBatchingConfig.page_size
-    block_bytes = config.num_hidden_layers * 2 * kv_heads * model_head_size(config.to_dict()) * page_size * element_bytes
+    head_size = model_head_size(config.to_dict())
+    block_bytes = config.num_hidden_layers * 2 * kv_heads * head_size * page_size * element_bytes
     blocks = int(memory_gib * 2**30) // block_bytes
     if blocks == 0:
         raise CommandError(f"argument --kv-cache-memory: {memory_gib:g} GiB holds no block of {page_size} tokens "
@@ -264,11 +254,12 @@ def _blocks(memory_gib: float, config, element_bytes: int) -> int:
     return blocks
 
 
-def _one_model_manager(serving: _ServingModules):
+def _one_model_manager():
     """transformers' ModelManager, pinned to one model that is already loaded: the requests name it as the
     user named it, and its loading methods hand out the model and tokenizer fp8kv prepared."""
+    from transformers.cli.serving.model_manager import ModelManager
 
-    class OneModel(serving.model_manager.ModelManager):
+    class OneModel(ModelManager):
         def __init__(self, name: str, model, tokenizer):
             self._model, self._tokenizer = model, tokenizer
             super().__init__(device=str(model.device), continuous_batching=True, force_model=name)
