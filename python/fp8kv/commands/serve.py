@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import logging
 import socket
 import time
 
@@ -26,8 +27,9 @@ from .errors import USAGE_ERROR, CommandError, blame, describe
 HELP = ("serve a model through an OpenAI-compatible API (transformers' server with continuous batching) on an FP8 "
         "KV cache")
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
-# On CPU, transformers would give the cache 60% of the RAM; vLLM's CPU backend takes 4 GiB by default.
-CPU_KV_CACHE_GIB = 4.0
+# On CPU transformers would zero 60% of the free RAM for the cache; 1 GiB of FP8 pages holds SmolLM2-135M's K and
+# V for 93k tokens.
+CPU_KV_CACHE_GIB = 1.0
 SIGINT_STATUS = 130  # 128 + SIGINT, as a shell reports a process interrupted by Ctrl-C
 INSTALL_SERVE = ('install fp8kv with its [serve] extra: python3 -m pip install --no-build-isolation ".[serve]" in the '
                  'source tree (README.md, Install)')
@@ -204,14 +206,25 @@ class _Server:
         self.worker = self.generation.get_manager(model_id, use_cb=True)
         self.worker.init_cb(self.model, self.chat._build_generation_config({}, self.model.generation_config,
                                                                             use_cb=True))
+        # The worker allocates the cache in its thread and would log a failure with its traceback: reported here in
+        # one line instead (its log stays quiet while it stops).
+        worker_log = logging.getLogger("ContinuousBatchingLogger")
+        level = worker_log.level
+        worker_log.setLevel(logging.CRITICAL)
         while self.worker.is_alive():
             try:
-                return self.worker.scheduler.cache
+                cache = self.worker.scheduler.cache
             except RuntimeError:  # not allocated yet
                 time.sleep(0.05)
+                continue
+            worker_log.setLevel(level)
+            return cache
         error = self.worker._cb.background_thread_status.fatal_error
-        argument = "--kv-cache-memory" if isinstance(error, MemoryError) else "--model"
-        raise CommandError(f"argument {argument}: the continuous-batching worker failed: {error}")
+        if isinstance(error, MemoryError):
+            raise CommandError(f"argument --kv-cache-memory: {error} (transformers counts the cache and its buffers "
+                               "for --max-num-batched-tokens tokens per step): give less memory, or fewer tokens per "
+                               "step")
+        raise CommandError(f"the continuous-batching worker failed: {type(error).__name__}: {error}")
 
     def run(self, listener: socket.socket) -> None:
         import uvicorn
