@@ -9,6 +9,7 @@ computed here from the model's geometry."""
 import concurrent.futures
 import json
 import os
+import pathlib
 import queue
 import re
 import shutil
@@ -226,8 +227,17 @@ def test_concurrent_clients_get_their_own_answers(server, reference):
 
 
 @pytest.mark.parametrize("sent, status", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)])
-def test_a_signal_stops_the_server_and_releases_its_port(fresh_server, sent, status):
+def test_a_signal_stops_the_server_after_the_answers_in_flight(fresh_server, reference, sent, status):
+    """The signal arrives once a streamed answer has started (its first chunk, the role, is sent before
+    any token): the answer still comes whole, then the process ends and its port is free again."""
+    stream = fresh_server.client.chat.completions.create(
+        model=fresh_server.name, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=MAX_TOKENS,
+        stream=True)
+    chunks = [next(stream)]
     fresh_server.process.send_signal(sent)
+    chunks += list(stream)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert (text, chunks[-1].choices[0].finish_reason) == reference(PROMPTS[1])
     assert fresh_server.process.wait(timeout=STOP_S) == status, fresh_server.stderr()
     assert "Traceback" not in fresh_server.stderr()
     with socket.socket() as again:
@@ -327,3 +337,26 @@ def test_missing_server_packages_say_what_to_install(checkpoint, capsys, monkeyp
     assert status == 1 and err == ("fp8kv serve: error: serve needs transformers' server packages (fastapi, uvicorn, "
                                    "openai, pydantic): install fp8kv with its [serve] extra: python3 -m pip install "
                                    '--no-build-isolation ".[serve]" in the source tree (README.md, Install)\n')
+
+
+def test_bad_checkpoint_scales_are_refused_before_the_model_loads(checkpoint, tmp_path, capsys, no_model_loading):
+    copy = tmp_path / "bad-scales"
+    shutil.copytree(checkpoint, copy)
+    weights = copy / "model.safetensors"
+    save_file({**load_file(weights), **scale_tensors([-1.0] * LAYERS, [V_SCALE] * LAYERS)}, str(weights),
+              metadata={"format": "pt"})
+    status, err = run(["--model", str(copy)], capsys)
+    assert status == 1 and err.startswith("fp8kv serve: error: argument --model: invalid KV cache scales"), err
+    for layer in range(LAYERS):  # the loader's list of problems, one line each
+        assert f"  - {weights}: model.layers.{layer}.self_attn.k_scale: value -1.0 must be finite and > 0" in err, err
+
+
+def test_the_docs_client_example_runs(server, reference, capsys):
+    """docs/serving.md's Python example, against this server and its model: it prints the two answers."""
+    docs = pathlib.Path(__file__).resolve().parents[2] / "docs" / "serving.md"
+    example = docs.read_text().split("```python\n")[1].split("```", 1)[0]
+    assert example.count('model="smollm2"') == 2 and example.count("http://127.0.0.1:8000/v1") == 1, example
+    exec(example.replace("http://127.0.0.1:8000/v1", f"http://127.0.0.1:{server.port}/v1")
+         .replace('model="smollm2"', f"model={server.name!r}").replace("max_tokens=64", f"max_tokens={MAX_TOKENS}"), {})
+    expected = [reference(prompt)[0] for prompt in ("What is the capital of France?", "Hi")]
+    assert capsys.readouterr().out == f"{expected[0]}\n{expected[1]}"
