@@ -223,6 +223,30 @@ def test_concurrent_clients_get_their_own_answers(server, reference):
     assert answers == [reference(prompt) for prompt, _ in requests]
 
 
+@pytest.mark.parametrize("setting", [{"temperature": 0}, {"temperature": 0.7}, {"top_p": 0.5}])
+def test_settings_greedy_decoding_ignores_are_taken(server, reference, setting):
+    """The model's generation config decodes greedily, where transformers' generate ignores temperature and
+    top_p unless they come with sampling (a request cannot ask for it)."""
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    choice = server.client.chat.completions.create(model=server.name, messages=messages, max_tokens=MAX_TOKENS,
+                                                   **setting).choices[0]
+    assert (choice.message.content, choice.finish_reason) == reference(PROMPTS[2])
+
+
+@pytest.mark.parametrize("setting, asked", [
+    ({"frequency_penalty": 0.5}, "repetition_penalty 1.5 (served: None)"),
+    ({"stop": ["w3"]}, "stop_strings ['w3'] (served: None)"),
+    ({"logit_bias": {"5": 3}}, "sequence_bias {(5,): 3} (served: None)"),
+])
+def test_settings_the_worker_would_not_apply_are_refused(server, setting, asked):
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": PROMPTS[2]}],
+                                              max_tokens=MAX_TOKENS, **setting)
+    assert refused.value.body == {"type": "invalid_request_error", "message": (  # the client's: the answer's "error"
+        "this server decodes every request with one generation config, the model's; this request asks for "
+        f"{asked}: leave out what sets them")}
+
+
 # ----------------------------------------------------------------------------- stopping
 
 

@@ -192,20 +192,24 @@ class _Server:
         self.models = _one_model_manager()(name, model, tokenizer)
         self.generation = GenerationState(continuous_batching=True, cb_config=batching)
         handlers = {"model_manager": self.models, "generation_state": self.generation}
-        self.chat = ChatCompletionHandler(**handlers)
-        self.app = build_server(self.models, self.chat, completion_handler=CompletionHandler(**handlers),
-                                response_handler=ResponseHandler(**handlers),
+        self.generating = [_applying_one_config(handler)(**handlers)
+                           for handler in (ChatCompletionHandler, CompletionHandler, ResponseHandler)]
+        chat, completion, response = self.generating
+        self.app = build_server(self.models, chat, completion_handler=completion, response_handler=response,
                                 transcription_handler=TranscriptionHandler(**handlers),
                                 systemone_handler=SystemOneHandler(**handlers), generation_state=self.generation)
+        self.app.add_exception_handler(_UnappliedSettings, _invalid_request)
         self.worker = None
 
     def start_worker(self):
-        """Starts the continuous-batching worker with the sampling of a request that sets none (transformers'
-        server shares the first request's among all) and returns its cache once allocated."""
+        """Starts the continuous-batching worker with the generation config of a request that sets nothing,
+        which every request then shares, and returns its cache once allocated."""
         model_id = self.models.process_model_name(self.name)
         self.worker = self.generation.get_manager(model_id, use_cb=True)
-        self.worker.init_cb(self.model, self.chat._build_generation_config({}, self.model.generation_config,
-                                                                            use_cb=True))
+        shared = self.generating[0]._build_generation_config({}, self.model.generation_config, use_cb=True)
+        for handler in self.generating:
+            handler.shared = shared
+        self.worker.init_cb(self.model, shared)
         # The worker allocates the cache in its thread and would log a failure with its traceback: reported here in
         # one line instead (its log stays quiet while it stops).
         worker_log = logging.getLogger("ContinuousBatchingLogger")
@@ -284,3 +288,45 @@ def _one_model_manager():
             return self._model
 
     return OneModel
+
+
+# GenerationConfig settings that do nothing in greedy decoding (do_sample None or False).
+_GREEDY_IGNORES = frozenset({"do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff",
+                             "eta_cutoff"})
+
+
+class _UnappliedSettings(Exception):
+    """A request asks for generation settings other than the ones every request is decoded with."""
+
+
+def _applying_one_config(handler_class):
+    """`handler_class` refusing a request that asks for generation settings the worker would not apply:
+    transformers' continuous batching decodes every request with the one generation config it started with,
+    and takes from a request only its tokens and its max_tokens."""
+
+    class ApplyingOneConfig(handler_class):
+        shared = None  # the worker's GenerationConfig, once it starts
+
+        def _build_generation_config(self, body, model_generation_config, use_cb=False):
+            config = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
+            if self.shared is not None:
+                requested, shared = config.to_dict(), self.shared.to_dict()
+                sampling = bool(requested.get("do_sample")) or bool(shared.get("do_sample"))
+                ignored = {"max_new_tokens"} | (set() if sampling else _GREEDY_IGNORES)
+                unapplied = sorted(name for name in requested.keys() | shared.keys()
+                                   if name not in ignored and requested.get(name) != shared.get(name))
+                if unapplied:
+                    raise _UnappliedSettings(
+                        "this server decodes every request with one generation config, the model's; this request "
+                        "asks for " + ", ".join(f"{name} {requested.get(name)!r} (served: {shared.get(name)!r})"
+                                                for name in unapplied) + ": leave out what sets them")
+            return config
+
+    return ApplyingOneConfig
+
+
+def _invalid_request(request, error: Exception):
+    """An OpenAI-style error answer (its clients show error.message), HTTP 400."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": str(error), "type": "invalid_request_error"}}, status_code=400)
