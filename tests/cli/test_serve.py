@@ -1,9 +1,10 @@
 """`python -m fp8kv serve`: the server started as a subprocess on a free loopback port with a tiny
 random Llama whose checkpoint holds KV cache scales; through the openai client it answers
 /v1/chat/completions, plain, streaming and to several clients at once, with the text that
-`generate` on fp8kv's PagedCache (the checkpoint's scales, the same chat template) gives greedily;
-SIGINT and SIGTERM stop it with the documented status and release its port. Bad arguments are one
-line on stderr, exit status 2, no traceback. The cache size expected from --kv-cache-memory is
+`generate` on fp8kv's PagedCache (the checkpoint's scales, the same chat template) gives greedily,
+and refuses generation settings its one shared generation config would not apply; SIGINT and
+SIGTERM stop it with the documented status, after the answer in flight, and release its port. Bad
+arguments are one line on stderr, exit status 2, no traceback. The cache size expected from --kv-cache-memory is
 computed here from the model's geometry."""
 
 import concurrent.futures
