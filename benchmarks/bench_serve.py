@@ -57,7 +57,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import math
 import pathlib
 import re
 import socket
@@ -68,8 +67,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_generate import SMOLLM2, attention_geometry, build_model, peak_gib, reset_peak_memory  # noqa: E402,I001
-from common import (error_text, fmt, format_table, judge, percentile, release_memory, run_header, verdict,  # noqa: E402
-                    write_outputs)
+from common import error_text, fmt, judge, percentile, release_memory, run_header, verdict, write_outputs  # noqa: E402
 
 import transformers  # noqa: E402
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
@@ -105,11 +103,12 @@ class Preset:
     clients: int
 
 
+# Small streams (every system serves each one twice, offline and online, per scenario); every request at once.
 PRESETS = {
-    # Mean context ~4.4k tokens; 16 GiB of bf16 pages hold 131k tokens (~29 such requests), FP8 pages twice that.
-    "llama3-8b": Preset("Llama-3-8B", 48, (256, 8192), (64, 512), 16.0, 48),
-    # SmolLM2 holds 8192 positions; 1 GiB of bf16 pages holds 46k tokens (~10 requests).
-    "smollm2": Preset(SMOLLM2, 48, (256, 7680), (64, 512), 1.0, 48),
+    # Mean context ~4.4k tokens: 16 GiB of bf16 pages hold 131k tokens, ~29 such requests (FP8 pages: all 40).
+    "llama3-8b": Preset("Llama-3-8B", 40, (256, 8192), (64, 512), 16.0, 40),
+    # SmolLM2 holds 8192 positions; 1 GiB of its bf16 pages holds 46k tokens, ~10 such requests (FP8 pages: ~20).
+    "smollm2": Preset(SMOLLM2, 24, (256, 7680), (64, 512), 1.0, 24),
 }
 SMOKE = Preset("tiny", 6, (32, 512), (4, 16), 1 / 1024, 3)  # 1 MiB: 1024 bf16 tokens of the tiny model
 
