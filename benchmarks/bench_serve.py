@@ -176,7 +176,8 @@ def stream_bytes(requests: list[Request], token_bytes: int, page_size: int) -> i
 def page_bytes_per_token(model, kv_format: str | None) -> int:
     """Cache bytes of one token in a system's pages (transformers' own: the model's dtype)."""
     layers, _, kv_heads, head_size = attention_geometry(model)
-    return bytes_per_token(layers, kv_heads, head_size, KVCacheDtype.parse(kv_format or "auto").torch_dtype(model.dtype))
+    dtype = KVCacheDtype.parse(kv_format or "auto").torch_dtype(model.dtype)
+    return bytes_per_token(layers, kv_heads, head_size, dtype)
 
 
 def use_system(model, system: System) -> None:
@@ -208,6 +209,9 @@ def cache_facts(cache, page_size: int, token_bytes: int) -> dict:
 # ----------------------------------------------------------------------------- metrics
 
 
+Served = tuple[list[float], list[list[float]], float]  # submission times, token times per request, last token
+
+
 def summarize(requests: list[Request], starts: list[float], token_times: list[list[float]], end: float) -> dict:
     """Throughput and latency percentiles of a served stream; raises if a request did not generate its drawn
     length."""
@@ -229,7 +233,7 @@ def summarize(requests: list[Request], starts: list[float], token_times: list[li
 # ----------------------------------------------------------------------------- offline
 
 
-def serve_offline(manager, requests: list[Request]) -> tuple[list[float], list[list[float]], float]:
+def serve_offline(manager, requests: list[Request]) -> Served:
     """Submits every request at once, waits for all; (submission times, token times per request, end)."""
     ids = [manager.add_request(r.prompt, max_new_tokens=r.output_tokens, record_timestamps=True, eos_token_id=NO_EOS)
            for r in requests]
@@ -255,15 +259,17 @@ def measure_offline(model, system: System, budget_bytes: int, page_size: int, re
 
     use_system(model, system)
     config = batching_config(model, system, budget_bytes, page_size)
-    hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in requests + warmup),
-                          max_generated_length=max(r.output_tokens for r in requests), num_requests=len(requests))
+    served = requests + warmup
+    hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in served),
+                          max_generated_length=max(r.output_tokens for r in served), num_requests=len(requests))
     with model.continuous_batching_context_manager(generation_config=generation_config(), block=True, timeout=30,
                                                    continuous_batching_config=config, workload_hints=hints) as manager:
         serve_offline(manager, warmup)
         reset_peak_memory(device)
         info = summarize(requests, *serve_offline(manager, requests))
         info["peak_gib"] = peak_gib(device)
-        info.update(cache_facts(manager.batch_processor.cache, page_size, page_bytes_per_token(model, system.kv_format)))
+        token_bytes = page_bytes_per_token(model, system.kv_format)
+        info.update(cache_facts(manager.batch_processor.cache, page_size, token_bytes))
         info["cuda_graphs"] = list(manager.continuous_batching_config.cuda_graph_booleans)
     return info
 
@@ -276,7 +282,8 @@ def online_unavailable() -> str | None:
     from transformers.utils.import_utils import is_serve_available
 
     if not is_serve_available():
-        return "transformers' server needs its [serving] extra (fastapi, uvicorn, openai): pip install 'transformers[serving]'"
+        return ("transformers' server needs its [serving] extra (fastapi, uvicorn, openai): "
+                "pip install 'transformers[serving]'")
     return None
 
 
@@ -332,7 +339,7 @@ class Server:
         self.close()
 
 
-async def stream_requests(url: str, requests: list[Request], clients: int) -> tuple[list[float], list[list[float]], float]:
+async def stream_requests(url: str, requests: list[Request], clients: int) -> Served:
     """`clients` concurrent streaming clients, each sending the next request of the stream when its last one
     finished; (send times, token arrival times per request, last arrival)."""
     import openai
@@ -354,7 +361,8 @@ async def stream_requests(url: str, requests: list[Request], clients: int) -> tu
             if chunk.usage is not None:
                 counted = chunk.usage.completion_tokens
         if counted != len(token_times[index]):
-            raise RuntimeError(f"request {index}: {len(token_times[index])} tokens streamed, the server counted {counted}")
+            raise RuntimeError(f"request {index}: {len(token_times[index])} tokens streamed, "
+                               f"the server counted {counted}")
 
     async def client_loop() -> None:
         for index in order:
@@ -409,9 +417,10 @@ def run_model(name: str, preset: Preset, args: argparse.Namespace, device: torch
     """Every scenario, system and mode of one model: (rows, the stream's description)."""
     model = build_model(preset.geometry, device)
     positions = model.config.max_position_embeddings
-    if preset.prompt_tokens[1] + preset.output_tokens[1] > positions:
+    longest = preset.prompt_tokens[1] + preset.output_tokens[1]
+    if longest > positions:
         raise SystemExit(f"--prompt-tokens / --output-tokens: {name} holds {positions} positions, fewer than the "
-                         f"longest prompt plus the longest output ({preset.prompt_tokens[1] + preset.output_tokens[1]})")
+                         f"longest prompt plus the longest output ({longest})")
     vocab = model.config.vocab_size
     requests = draw_stream(preset.requests, preset.prompt_tokens, preset.output_tokens, vocab, args.seed)
     warmup_output = tuple(min(bound, WARMUP_OUTPUT) for bound in preset.output_tokens)
