@@ -149,6 +149,7 @@ def test_the_stream_is_fixed_by_its_seed():
     (["--smoke", "--kv-cache-memory", "-1"], "--kv-cache-memory"),
     (["--smoke", "--model", "smollm2"], "--model"),
     (["--model", "llama3-8b", "--device", "cpu"], "--device"),
+    (["--device", "cpu"], "--device"),
 ])
 def test_bad_arguments_are_refused_naming_them(argv, named, capsys):
     with pytest.raises(SystemExit):
