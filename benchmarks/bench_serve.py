@@ -316,6 +316,7 @@ class Server:
         for name in ("uvicorn.error", "uvicorn.access"):
             if _without_info not in logging.getLogger(name).filters:
                 logging.getLogger(name).addFilter(_without_info)
+        self.verbosity = transformers.logging.get_verbosity()  # Serve sets transformers' for the whole process
         self.serve = Serve(continuous_batching=True, host="127.0.0.1", port=port, non_blocking=True, log_level="error")
         models = self.serve._model_manager
         models.loaded_models[models.process_model_name(SERVED_NAME)] = TimedModel(model, timeout_seconds=-1,
@@ -331,6 +332,7 @@ class Server:
 
     def close(self) -> None:
         self.serve.kill_server()
+        transformers.logging.set_verbosity(self.verbosity)
 
     def __enter__(self):
         return self
