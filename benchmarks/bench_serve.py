@@ -30,14 +30,16 @@ request is added with its own). Online: `transformers serve --continuous-batchin
 in this process with the model already loaded, and `--clients` concurrent streaming clients
 (openai's AsyncOpenAI, /v1/completions), each sending its next request when its last one finished.
 Prompts go over HTTP as text that a word-level tokenizer (one word per token id) maps back to the
-same ids, so both modes serve the same tokens.
+same ids, so both modes serve the same tokens. The clients, the server and transformers' generation
+thread share this process (and its interpreter lock). fp8kv's pages run without CUDA graphs: its
+continuous batching refuses them.
 
 Metrics, wall clock (time.perf_counter) on the host: output tokens/s = tokens generated / time from
 the first submission to the last token; TTFT = first token - submission, per request; ITL = the gaps
 between a request's consecutive tokens (offline: as transformers records them; online: as the
 client receives them); p50 and p99 over all requests (TTFT) and gaps (ITL); peak GPU memory
 (torch's max allocated, model included) over the measured stream; the cache's blocks and bytes as
-transformers allocated them. Warm-up: before each measured stream, WARMUP_REQUESTS requests of the
+transformers allocated them (offline rows; the server is given the same configuration). Warm-up: before each measured stream, WARMUP_REQUESTS requests of the
 same distribution (another seed, at most WARMUP_OUTPUT tokens each) through the same manager or
 server.
 
