@@ -249,7 +249,7 @@ def _batching(args: argparse.Namespace, model_dir, kv_cache, device):
         with blame("--model"):
             config = AutoConfig.from_pretrained(model_dir).get_text_config()
         settings["num_blocks"] = _blocks(memory, config, kv_cache.torch_dtype(DTYPES[args.dtype]).itemsize)
-    # fp8kv's pages refuse transformers' CUDA graphs of the step.
+    # transformers' CUDA graphs of the step have not been run on fp8kv's pages on a GPU yet.
     return ContinuousBatchingConfig(use_cuda_graph=False,
                                     **{name: value for name, value in settings.items() if value is not None})
 
