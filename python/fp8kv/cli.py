@@ -1,4 +1,4 @@
-"""Command line: `fp8kv demo | inspect | calibrate | evaluate`, also run as `python -m fp8kv`.
+"""Command line: `fp8kv demo | inspect | calibrate | evaluate | serve`, also run as `python -m fp8kv`.
 
 Assembles the commands of fp8kv.commands (each declares its arguments and runs) and reports
 their errors. Every argument is checked when it is parsed (argparse `type=` functions), and
@@ -43,11 +43,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    from .commands import calibrate, demo, evaluate, inspect
+    from .commands import calibrate, demo, evaluate, inspect, serve
 
     parser = _Parser(prog=prog, description="FP8 KV cache for transformer inference.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for command in (demo, inspect, calibrate, evaluate):
+    for command in (demo, inspect, calibrate, evaluate, serve):
         name = command.__name__.rpartition(".")[2]  # a command's module is named after it
         subparser = subparsers.add_parser(name, help=command.HELP)
         command.add_arguments(subparser)

@@ -24,12 +24,20 @@ def positive_int(text: str) -> int:
 
 def margin(text: str) -> float:
     """The rule of KVAmax.scales: a finite number >= 1."""
+    return _finite(text, lambda value: value >= 1.0, "a finite number >= 1")
+
+
+def positive_number(text: str) -> float:
+    return _finite(text, lambda value: value > 0, "a positive number")
+
+
+def _finite(text: str, accepted, expectation: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value >= 1.0):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 1, got {text!r}")
+    if not (math.isfinite(value) and accepted(value)):
+        raise argparse.ArgumentTypeError(f"expected {expectation}, got {text!r}")
     return value
 
 

@@ -36,9 +36,10 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..attention import PagedAttention
+from ..attention import LayerAttentions
 from ..cache import BatchMetadata, CacheFullError, FixedBatch, PagedKVCache
 from ..formats import KVCacheConfig
+from . import transformers_continuous_batching as continuous_batching
 
 ATTN_IMPLEMENTATION = "fp8kv"
 _TAG = "_fp8kv_paged_layer"
@@ -78,6 +79,25 @@ def enable(model):
     return model
 
 
+def enable_continuous_batching(model, kv_cache: KVCacheConfig):
+    """Switches `model` to fp8kv attention for transformers' continuous batching (`generate_batch`,
+    `init_continuous_batching`, `continuous_batching_context_manager`): transformers' paged cache
+    then holds pages in `kv_cache`'s format, recipe and scales, which fp8kv's ops write and read.
+    `generate` with a PagedCache keeps working on the model. Returns it.
+
+    Refuses, with the reason: a transformers whose continuous batching fp8kv does not support (see
+    transformers_continuous_batching.SUPPORTED_VERSIONS), a model with sliding-window layers, a
+    KVCacheConfig of another layer count, a model that is not float16 or bfloat16. On CUDA, a
+    page_size fp8kv's kernels do not read is refused when the cache is made."""
+    if not isinstance(kv_cache, KVCacheConfig):
+        raise TypeError(f"kv_cache must be a KVCacheConfig, got {type(kv_cache).__name__}")
+    continuous_batching.install_hooks()
+    continuous_batching.check_model(model, kv_cache)
+    enable(model)
+    continuous_batching.enable_model(model, kv_cache, ATTN_IMPLEMENTATION)
+    return model
+
+
 def new_tokens_mask(*, q_length: int, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """The mask the attention function gets: [batch, q_length] bool, False where a new token is
     padding, or None without a padding mask. A contiguous copy, whose shape and strides do not
@@ -94,6 +114,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     [batch, kv_heads, new, head_size] states just passed to PagedCache.update."""
     handle = getattr(key, _TAG, None)
     if handle is None:
+        cache = kwargs.get("cache")
+        if continuous_batching.serves(cache):
+            return continuous_batching.attend(module, query, key, value, cache, scaling, sliding_window, softcap,
+                                              kwargs), None
         raise RuntimeError(
             "fp8kv attention needs the key returned by a PagedCache update: pass a PagedCache to generate/forward "
             "(**cache_argument(model, PagedCache(...))), and use a model whose attention does not transform the "
@@ -120,7 +144,7 @@ class _PagedState:
         self.paged: PagedKVCache | None = None
         self.batch: FixedBatch | None = None
         self.seen: torch.Tensor | None = None  # positions given so far, padding included (transformers' count)
-        self.attention: list[PagedAttention | None] = [None] * kv_cache.num_layers
+        self.attention: LayerAttentions | None = None
         self.host_step: tuple[BatchMetadata, torch.Tensor | None] | None = None
         self.batch_started = False
         self.unattended: int | None = None  # the layer whose keys were tagged and not yet attended
@@ -151,6 +175,7 @@ class _PagedState:
                                       num_blocks=self.num_blocks, block_size=self.block_size,
                                       model_dtype=key.dtype, device=key.device, layout=self.layout)
             self.seen = torch.zeros((), dtype=torch.int64, device=key.device)
+            self.attention = LayerAttentions(self.kv_cache, key.device)
             _mark_static(self.paged.storage, self.seen)
 
     def attend(self, layer_idx, query, key, value, new_tokens, scaling, sliding_window, softcap,
@@ -162,7 +187,7 @@ class _PagedState:
         if layer_idx == 0:
             self._plan(batch_size, new, new_tokens, positions)
         batch, rows = (self.batch.decode_metadata, None) if new == 1 else self.host_step
-        module = self._attention(layer_idx, num_heads, key.shape[1], head_size, scaling, sliding_window, softcap)
+        module = self.attention.get(layer_idx, num_heads, key.shape[1], head_size, scaling, sliding_window, softcap)
         q, k, v = (t.transpose(1, 2).reshape(batch_size * new, t.shape[1], head_size) for t in (query, key, value))
         if rows is not None:
             q, k, v = q[rows], k[rows], v[rows]
@@ -219,21 +244,6 @@ class _PagedState:
             _mark_static(*self.batch.tensors)
         self.seen.zero_()
         self.batch_started = True
-
-    def _attention(self, layer_idx, num_heads, num_kv_heads, head_size, scaling, sliding_window, softcap):
-        """The layer's PagedAttention, built at its first call with the model's own parameters."""
-        window = sliding_window if sliding_window is not None else -1
-        cap = softcap if softcap is not None else 0.0
-        module = self.attention[layer_idx]
-        if module is None:
-            module = PagedAttention(num_heads, num_kv_heads, head_size, self.kv_cache, layer_idx,
-                                    softmax_scale=scaling, sliding_window=window, logits_soft_cap=cap)
-            self.attention[layer_idx] = module.to(self.paged.device)
-            _mark_static(*(t for t in (module.k_scale, module.v_scale, module.k_offset) if t is not None))
-        elif (module.num_heads, module.softmax_scale, module.sliding_window, module.logits_soft_cap) != (
-                num_heads, module.softmax_scale if scaling is None else scaling, window, cap):
-            raise ValueError(f"layer {layer_idx} attention parameters changed between calls")
-        return module
 
     def reset(self) -> None:
         self.batch_started = False

@@ -1,0 +1,606 @@
+"""Serving: a fixed-seed stream of requests served to completion by transformers' continuous
+batching, offline and through its OpenAI-compatible server, on fp8kv's FP8 pages, fp8kv's bf16
+pages and transformers' own paged attention, all at the same KV-cache memory budget.
+
+Systems:
+
+  fp8kv e4m3          enable_continuous_batching with an e4m3 KVCacheConfig: the rotated recipe
+                      (fp8kv's default for FP8), unit scales (speed does not depend on them)
+  fp8kv bf16          the same with a bf16 (unquantized) KVCacheConfig
+  transformers ...    transformers' own paged cache and attention in every form that runs here:
+                      SDPA, SDPA with CUDA graphs (CUDA only), flash attention 2 and 3 and the
+                      kernels hub's flash attention where importable (transformers' defaults: CUDA
+                      graphs and its decode fast path). The fastest offline is "transformers' best",
+                      the one served online and compared.
+
+Budget: `--kv-cache-memory` GiB of cache pages, given to transformers as its number of cache blocks
+(`ContinuousBatchingConfig.num_blocks` = budget / bytes of one block in the system's page dtype), so
+FP8 pages get twice the blocks of bf16 ones. Two scenarios per model: memory-limited (that budget;
+refused if it holds the whole stream in bf16 pages) and not memory-limited (a budget holding every
+request of the stream at once in bf16 pages, one spare page each).
+
+Stream: `--requests` requests whose prompt and output lengths are drawn uniformly (bounds included)
+from `--prompt-tokens` and `--output-tokens`, prompt tokens uniformly from the vocabulary, with
+`--seed`. EOS is ignored and decoding is greedy, so every request generates exactly its drawn length
+(checked: a request that does not is an error of its row).
+
+Offline: every request submitted at once to transformers' continuous-batching manager, in the
+context manager `generate_batch` runs (whose loop takes one max_new_tokens for all requests, so each
+request is added with its own). Online: `transformers serve --continuous-batching`'s server, started
+in this process with the model already loaded, and `--clients` concurrent streaming clients
+(openai's AsyncOpenAI, /v1/completions), each sending its next request when its last one finished.
+Prompts go over HTTP as text that a word-level tokenizer (one word per token id) maps back to the
+same ids, so both modes serve the same tokens. The clients, the server and transformers' generation
+thread share this process (and its interpreter lock). fp8kv's pages run without CUDA graphs: its
+continuous batching refuses them.
+
+Metrics, wall clock (time.perf_counter) on the host: output tokens/s = tokens generated / time from
+the first submission to the last token; TTFT = first token - submission, per request; ITL = the gaps
+between a request's consecutive tokens (offline: as transformers records them; online: as the
+client receives them); p50 and p99 over all requests (TTFT) and gaps (ITL); peak GPU memory
+(torch's max allocated, model included) over the measured stream; the cache's blocks and bytes as
+transformers allocated them (offline rows; the server is given the same configuration). Warm-up: before each measured stream, WARMUP_REQUESTS requests of the
+same distribution (another seed, at most WARMUP_OUTPUT tokens each) through the same manager or
+server.
+
+Targets (PASS/MISS), per model and mode: memory-limited, fp8kv e4m3 output tokens/s >= 1.6x fp8kv
+bf16's; not memory-limited, >= 1.0x; in both, fp8kv bf16 >= 1.0x transformers' best.
+
+Models: `--model llama3-8b` (Llama-3-8B geometry, random bf16 weights, CUDA only) and `--model
+smollm2` (SmolLM2-135M's real weights, from fp8kv.models; its rows say why when not installed).
+`--smoke` serves a tiny random model a small stream (the CPU when there is no GPU), in under a minute.
+
+    python benchmarks/bench_serve.py [--smoke] [--model NAME ...] [--kv-cache-memory GIB] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import pathlib
+import re
+import socket
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_generate import SMOLLM2, attention_geometry, build_model, peak_gib, reset_peak_memory  # noqa: E402,I001
+from common import error_text, fmt, judge, percentile, release_memory, run_header, verdict, write_outputs  # noqa: E402
+
+import transformers  # noqa: E402
+from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
+
+from fp8kv.cache import bytes_per_token  # noqa: E402
+from fp8kv.formats import KVCacheConfig, KVCacheDtype  # noqa: E402
+from fp8kv.integrations.transformers import enable_continuous_batching  # noqa: E402
+
+GIB = 1 << 30
+PAGE_SIZE = 256  # tokens per page: transformers' default, read by fp8kv's kernels too
+WARMUP_REQUESTS, WARMUP_OUTPUT = 2, 16
+NO_EOS = -1  # transformers' "no end-of-sequence token": every request runs to its max_new_tokens
+FP8_LIMITED_SPEEDUP, FP8_UNLIMITED_SPEEDUP = 1.6, 1.0
+MEMORY_LIMITED, NOT_LIMITED = "memory-limited", "not memory-limited"
+FP8, BF16 = "fp8kv e4m3", "fp8kv bf16"
+OFFLINE, ONLINE = "offline", "online"
+SERVED_NAME = "fp8kv-bench"  # the model's name on the server
+
+
+def _without_info(record: logging.LogRecord) -> bool:
+    return record.levelno > logging.INFO
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A model's default stream and budget."""
+
+    geometry: str  # a bench_generate.GEOMETRIES key, or SMOLLM2
+    requests: int
+    prompt_tokens: tuple[int, int]
+    output_tokens: tuple[int, int]
+    kv_cache_gib: float  # the memory-limited scenario's budget
+    clients: int
+
+
+# Small streams (every system serves each one twice, offline and online, per scenario); every request at once.
+PRESETS = {
+    # Mean context ~4.4k tokens: 16 GiB of bf16 pages hold 131k tokens, ~29 such requests (FP8 pages: all 40).
+    "llama3-8b": Preset("Llama-3-8B", 40, (256, 8192), (64, 512), 16.0, 40),
+    # SmolLM2 holds 8192 positions; 1 GiB of its bf16 pages holds 46k tokens, ~10 such requests (FP8 pages: ~20).
+    "smollm2": Preset(SMOLLM2, 24, (256, 7680), (64, 512), 1.0, 24),
+}
+SMOKE = Preset("tiny", 6, (32, 512), (4, 16), 1 / 1024, 3)  # 1 MiB: 1024 bf16 tokens of the tiny model
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    output_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class System:
+    name: str
+    kv_format: str | None  # fp8kv's page format (a KVCacheDtype name), None for transformers' own cache
+    attention: str  # the attention implementation transformers' path runs (fp8kv's systems: fp8kv's)
+    cuda_graphs: bool | None = None  # None: transformers decides (off where an attention mask is needed)
+
+
+FP8KV_SYSTEMS = (System(FP8, "float8_e4m3fn", "fp8kv"), System(BF16, "auto", "fp8kv"))
+
+
+def transformers_systems(device: torch.device) -> list[System]:
+    """transformers' own continuous-batching paths that can run here."""
+    from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available, is_kernels_available
+
+    systems = [System("transformers sdpa", None, "sdpa")]
+    if device.type == "cuda":
+        systems.append(System("transformers sdpa + CUDA graphs", None, "sdpa", True))
+        flash = [("flash_attention_3", is_flash_attn_3_available()), ("flash_attention_2", is_flash_attn_2_available()),
+                 ("kernels-community/flash-attn2", is_kernels_available())]
+        systems += [System(f"transformers {name}", None, name) for name, available in flash if available]
+    return systems
+
+
+# ----------------------------------------------------------------------------- the stream
+
+
+def draw_stream(count: int, prompt_tokens: tuple[int, int], output_tokens: tuple[int, int], vocab_size: int,
+                seed: int) -> list[Request]:
+    """`count` requests, lengths uniform over the bounds (included), prompt tokens uniform over the vocabulary."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def uniform(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (), generator=generator))
+
+    requests = []
+    for _ in range(count):
+        prompt_len, output_len = uniform(*prompt_tokens), uniform(*output_tokens)
+        requests.append(Request(torch.randint(0, vocab_size, (prompt_len,), generator=generator).tolist(), output_len))
+    return requests
+
+
+def pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def stream_bytes(requests: list[Request], token_bytes: int, page_size: int) -> int:
+    """Cache bytes that hold every request at once (prompt and output, whole pages, one spare page each)."""
+    return sum(pages(len(r.prompt) + r.output_tokens, page_size) + 1 for r in requests) * page_size * token_bytes
+
+
+# ----------------------------------------------------------------------------- systems and their caches
+
+
+def page_bytes_per_token(model, kv_format: str | None) -> int:
+    """Cache bytes of one token in a system's pages (transformers' own: the model's dtype)."""
+    layers, _, kv_heads, head_size = attention_geometry(model)
+    dtype = KVCacheDtype.parse(kv_format or "auto").torch_dtype(model.dtype)
+    return bytes_per_token(layers, kv_heads, head_size, dtype)
+
+
+def use_system(model, system: System) -> None:
+    if system.kv_format is None:
+        model.set_attn_implementation(system.attention)
+    else:
+        enable_continuous_batching(model, KVCacheConfig.unit_scales(system.kv_format, model.config.num_hidden_layers))
+
+
+def batching_config(model, system: System, budget_bytes: int, page_size: int) -> ContinuousBatchingConfig:
+    """The budget as whole blocks (page_size tokens of every layer) of the system's pages."""
+    num_blocks = budget_bytes // (page_bytes_per_token(model, system.kv_format) * page_size)
+    return ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks, auto_switch_to_flash=False,
+                                    use_cuda_graph=system.cuda_graphs)
+
+
+def generation_config() -> GenerationConfig:
+    return GenerationConfig(do_sample=False, eos_token_id=NO_EOS, pad_token_id=0)
+
+
+def cache_facts(cache, page_size: int, token_bytes: int) -> dict:
+    """What transformers allocated: blocks, the tokens they hold, their bytes, and the whole tensor's (its two
+    scratch sectors included)."""
+    allocated = cache.cache_tensor.numel() * cache.cache_tensor.element_size()
+    return {"cache_blocks": cache.num_blocks, "cache_tokens": cache.num_blocks * page_size,
+            "cache_gib": cache.num_blocks * page_size * token_bytes / GIB, "allocated_gib": allocated / GIB}
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+Served = tuple[list[float], list[list[float]], float]  # submission times, token times per request, last token
+
+
+def summarize(requests: list[Request], starts: list[float], token_times: list[list[float]], end: float) -> dict:
+    """Throughput and latency percentiles of a served stream; raises if a request did not generate its drawn
+    length."""
+    for index, (request, times) in enumerate(zip(requests, token_times)):
+        if len(times) != request.output_tokens:
+            raise RuntimeError(f"request {index} generated {len(times)} tokens, expected {request.output_tokens}")
+    duration = end - min(starts)
+    ttft = sorted(1e3 * (times[0] - start) for start, times in zip(starts, token_times))
+    itl = sorted(1e3 * (later - earlier) for times in token_times for earlier, later in zip(times, times[1:]))
+    output_tokens = sum(len(times) for times in token_times)
+    return {"requests": len(requests), "output_tokens": output_tokens,
+            "output_counts": [len(times) for times in token_times],
+            "prompt_tokens": sum(len(r.prompt) for r in requests), "duration_s": duration,
+            "output_tokens_per_s": output_tokens / duration,
+            "ttft_ms": {"p50": percentile(ttft, 0.5), "p99": percentile(ttft, 0.99)},
+            "itl_ms": {"p50": percentile(itl, 0.5), "p99": percentile(itl, 0.99)} if itl else None}
+
+
+# ----------------------------------------------------------------------------- offline
+
+
+def serve_offline(manager, requests: list[Request]) -> Served:
+    """Submits every request at once, waits for all; (submission times, token times per request, end)."""
+    ids = [manager.add_request(r.prompt, max_new_tokens=r.output_tokens, record_timestamps=True, eos_token_id=NO_EOS)
+           for r in requests]
+    results = {}
+    while len(results) < len(ids):
+        result = manager.get_result(timeout=1)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' generation thread stopped before the stream was served")
+            continue
+        if result.error is not None:
+            raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+        if result.is_finished():
+            results[result.request_id] = result
+    ordered = [results[request_id] for request_id in ids]
+    token_times = [result.timestamps for result in ordered]
+    return [result.created_time for result in ordered], token_times, max(times[-1] for times in token_times)
+
+
+def measure_offline(model, system: System, budget_bytes: int, page_size: int, requests: list[Request],
+                    warmup: list[Request], device: torch.device) -> dict:
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    use_system(model, system)
+    config = batching_config(model, system, budget_bytes, page_size)
+    served = requests + warmup
+    hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in served),
+                          max_generated_length=max(r.output_tokens for r in served), num_requests=len(requests))
+    with model.continuous_batching_context_manager(generation_config=generation_config(), block=True, timeout=30,
+                                                   continuous_batching_config=config, workload_hints=hints) as manager:
+        serve_offline(manager, warmup)
+        reset_peak_memory(device)
+        info = summarize(requests, *serve_offline(manager, requests))
+        info["peak_gib"] = peak_gib(device)
+        token_bytes = page_bytes_per_token(model, system.kv_format)
+        info.update(cache_facts(manager.batch_processor.cache, page_size, token_bytes))
+        info["cuda_graphs"] = list(manager.continuous_batching_config.cuda_graph_booleans)
+    return info
+
+
+# ----------------------------------------------------------------------------- online
+
+
+def online_unavailable() -> str | None:
+    """Why transformers' server or openai's client cannot run here, or None."""
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        return ("transformers' server needs its [serving] extra (fastapi, uvicorn, openai): "
+                "pip install 'transformers[serving]'")
+    return None
+
+
+def word(token_id: int) -> str:
+    return f"t{token_id}"
+
+
+def word_tokenizer(vocab_size: int):
+    """A tokenizer with one word per token id: a prompt's text maps back to exactly its ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({word(i): i for i in range(vocab_size)}, unk_token=word(0)))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+class Server:
+    """`transformers serve --continuous-batching`'s server in this process, serving `model` as it is (a
+    preloaded model of its model manager) with `tokenizer` and the continuous-batching `config`."""
+
+    def __init__(self, model, tokenizer, config: ContinuousBatchingConfig):
+        from transformers.cli.serve import Serve
+        from transformers.cli.serving.model_manager import TimedModel
+
+        with socket.socket() as probe:  # a free port
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}/v1"
+        # transformers starts uvicorn at level info: 8 lines per server otherwise (a filter outlives its setup).
+        for name in ("uvicorn.error", "uvicorn.access"):
+            if _without_info not in logging.getLogger(name).filters:
+                logging.getLogger(name).addFilter(_without_info)
+        self.verbosity = transformers.logging.get_verbosity()  # Serve sets transformers' for the whole process
+        self.serve = Serve(continuous_batching=True, host="127.0.0.1", port=port, non_blocking=True, log_level="error")
+        models = self.serve._model_manager
+        models.loaded_models[models.process_model_name(SERVED_NAME)] = TimedModel(model, timeout_seconds=-1,
+                                                                                   processor=tokenizer)
+        # Read when the first request creates the continuous-batching manager.
+        self.serve._generation_state._cb_config = config
+        deadline = time.perf_counter() + 30
+        while not self.serve.server.started:
+            if time.perf_counter() > deadline or not self.serve._thread.is_alive():
+                self.close()
+                raise RuntimeError(f"transformers' server did not start on port {port}")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.serve.kill_server()
+        transformers.logging.set_verbosity(self.verbosity)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+
+async def stream_requests(url: str, requests: list[Request], clients: int) -> Served:
+    """`clients` concurrent streaming clients, each sending the next request of the stream when its last one
+    finished; (send times, token arrival times per request, last arrival)."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0)
+    starts, token_times = [0.0] * len(requests), [[] for _ in requests]
+    order = iter(range(len(requests)))
+
+    async def send(index: int) -> None:
+        request = requests[index]
+        starts[index] = time.perf_counter()
+        stream = await client.completions.create(model=SERVED_NAME, prompt=" ".join(map(word, request.prompt)),
+                                                 max_tokens=request.output_tokens, temperature=0.0, stream=True)
+        counted = None
+        async for chunk in stream:
+            arrival = time.perf_counter()
+            if chunk.choices and chunk.choices[0].text:
+                token_times[index].append(arrival)
+            if chunk.usage is not None:
+                counted = chunk.usage.completion_tokens
+        if counted != len(token_times[index]):
+            raise RuntimeError(f"request {index}: {len(token_times[index])} tokens streamed, "
+                               f"the server counted {counted}")
+
+    async def client_loop() -> None:
+        for index in order:
+            await send(index)
+
+    try:
+        await asyncio.gather(*(client_loop() for _ in range(min(clients, len(requests)))))
+    finally:
+        await client.close()
+    return starts, token_times, max(times[-1] for times in token_times if times)
+
+
+def measure_online(model, system: System, budget_bytes: int, page_size: int, requests: list[Request],
+                   warmup: list[Request], clients: int, device: torch.device) -> dict:
+    use_system(model, system)
+    config = batching_config(model, system, budget_bytes, page_size)
+    saved, model.generation_config = model.generation_config, generation_config()  # the server's defaults
+    try:
+        with Server(model, word_tokenizer(model.config.vocab_size), config) as server:
+            asyncio.run(stream_requests(server.url, warmup, clients))
+            reset_peak_memory(device)
+            info = summarize(requests, *asyncio.run(stream_requests(server.url, requests, clients)))
+            info["peak_gib"] = peak_gib(device)
+    finally:
+        model.generation_config = saved
+    return info | {"clients": min(clients, len(requests))}
+
+
+# ----------------------------------------------------------------------------- run
+
+
+def measured(label: str, measure) -> dict:
+    """measure(), or {"error": ...}; the memory it held released, its time printed."""
+    start = time.perf_counter()
+    try:
+        info = measure()
+    except Exception as exc:  # recorded in the table and the JSON; the other systems still run
+        info = {"error": error_text(exc)}
+    release_memory()
+    summary = info["error"] if "error" in info else f"{info['output_tokens_per_s']:.0f} output tok/s"
+    print(f"  {label}: {summary} ({time.perf_counter() - start:.0f} s)", flush=True)
+    return info
+
+
+def transformers_best(rows: list[dict]) -> str | None:
+    """The fastest of transformers' own systems among rows (one model, scenario and mode)."""
+    timed = [r for r in rows if r["system"].startswith("transformers") and "output_tokens_per_s" in r]
+    return max(timed, key=lambda r: r["output_tokens_per_s"])["system"] if timed else None
+
+
+def run_model(name: str, preset: Preset, args: argparse.Namespace, device: torch.device) -> tuple[list[dict], dict]:
+    """Every scenario, system and mode of one model: (rows, the stream's description)."""
+    model = build_model(preset.geometry, device)
+    positions = model.config.max_position_embeddings
+    longest = preset.prompt_tokens[1] + preset.output_tokens[1]
+    if longest > positions:
+        raise SystemExit(f"--prompt-tokens / --output-tokens: {name} holds {positions} positions, fewer than the "
+                         f"longest prompt plus the longest output ({longest})")
+    vocab = model.config.vocab_size
+    requests = draw_stream(preset.requests, preset.prompt_tokens, preset.output_tokens, vocab, args.seed)
+    warmup_output = tuple(min(bound, WARMUP_OUTPUT) for bound in preset.output_tokens)
+    warmup = draw_stream(WARMUP_REQUESTS, preset.prompt_tokens, warmup_output, vocab, args.seed + 1)
+    whole_stream = stream_bytes(requests, page_bytes_per_token(model, "auto"), args.page_size)
+    limited = int(preset.kv_cache_gib * GIB)
+    if limited >= whole_stream:
+        raise SystemExit(f"--kv-cache-memory {preset.kv_cache_gib:g} GiB holds {name}'s whole stream in bf16 pages "
+                         f"({whole_stream / GIB:.3g} GiB): nothing limits the batch; give less, or more requests")
+    stream = {"requests": preset.requests, "prompt_tokens": list(preset.prompt_tokens),
+              "output_tokens": list(preset.output_tokens), "output_lengths": [r.output_tokens for r in requests],
+              "prompt_lengths": [len(r.prompt) for r in requests], "bf16_stream_gib": whole_stream / GIB,
+              "clients": min(preset.clients, preset.requests)}
+    offline_systems = [*FP8KV_SYSTEMS, *transformers_systems(device)]
+    online_reason = "disabled by --no-online" if args.no_online else online_unavailable()
+    rows = []
+    for scenario, budget in ((MEMORY_LIMITED, limited), (NOT_LIMITED, whole_stream)):
+        print(f"{name}, {scenario}: {budget / GIB:.3g} GiB of cache pages", flush=True)
+        base = {"model": name, "scenario": scenario, "kv_cache_gib": budget / GIB}
+        offline = [base | {"mode": OFFLINE, "system": system.name} | measured(
+            f"{OFFLINE} / {system.name}",
+            lambda system=system: measure_offline(model, system, budget, args.page_size, requests, warmup, device))
+            for system in offline_systems]
+        rows += offline
+        best = transformers_best(offline)
+        for system in (s for s in offline_systems if s.name in (FP8, BF16, best)):
+            if online_reason is None:
+                info = measured(f"{ONLINE} / {system.name}", lambda system=system: measure_online(
+                    model, system, budget, args.page_size, requests, warmup, preset.clients, device))
+            else:
+                info = {"skipped": online_reason}
+            rows.append(base | {"mode": ONLINE, "system": system.name} | info)
+    return rows, stream
+
+
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Per model, scenario and mode: FP8 over bf16 pages and fp8kv's bf16 pages over transformers' best (output
+    tokens/s; None where either did not run), and the targets they are judged by."""
+    groups = {}
+    for row in rows:
+        groups.setdefault((row["model"], row["scenario"], row["mode"]), []).append(row)
+    results = []
+    for (model, scenario, mode), group in groups.items():
+        rate = {row["system"]: row.get("output_tokens_per_s") for row in group}
+        best = transformers_best(group)
+
+        def over(a, b):
+            return rate[a] / rate[b] if rate.get(a) and rate.get(b) else None
+
+        fp8, bf16 = over(FP8, BF16), over(BF16, best)
+        need = FP8_LIMITED_SPEEDUP if scenario == MEMORY_LIMITED else FP8_UNLIMITED_SPEEDUP
+        where = f"{model} {scenario} {mode}"
+        targets = {f"{where}: fp8 >= {need}x bf16": judge(lambda: fp8 >= need, fp8),
+                   f"{where}: bf16 >= 1.0x transformers' best": judge(lambda: bf16 >= 1.0, bf16)}
+        results.append({"model": model, "scenario": scenario, "mode": mode, "transformers_best": best,
+                        "fp8_vs_bf16": fp8, "bf16_vs_transformers": bf16,
+                        "targets": {name: verdict(ok) for name, ok in targets.items()}})
+    return results
+
+
+def markdown_table(headers: list[str], lines: list[list[str]]) -> str:
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in [headers, ["---"] * len(headers), *lines])
+
+
+def percentiles_text(latency: dict | None) -> str:
+    return "-" if latency is None else f"{fmt(latency['p50'])} / {fmt(latency['p99'])}"
+
+
+def results_table(rows: list[dict]) -> str:
+    lines = []
+    for row in rows:
+        budget = "-" if row["kv_cache_gib"] is None else f"{row['kv_cache_gib']:.3g}"
+        cells = [row["model"], row["scenario"], budget, row["mode"], row["system"]]
+        if "output_tokens_per_s" not in row:
+            lines.append(cells + ["-"] * 6 + [row.get("error") or row.get("skipped")])
+            continue
+        lines.append(cells + [fmt(row["output_tokens_per_s"], 0), percentiles_text(row["ttft_ms"]),
+                              percentiles_text(row["itl_ms"]), fmt(row["peak_gib"]),
+                              str(row.get("cache_blocks", "-")), fmt(row["duration_s"]), ""])
+    return markdown_table(["model", "scenario", "KV GiB", "mode", "system", "output tok/s", "TTFT p50 / p99 ms",
+                           "ITL p50 / p99 ms", "peak GiB", "cache blocks", "s", "not run"], lines)
+
+
+def comparisons_table(compared: list[dict]) -> str:
+    lines = []
+    for c in compared:
+        fp8_target, bf16_target = c["targets"].values()
+        lines.append([c["model"], c["scenario"], c["mode"], fmt(c["fp8_vs_bf16"], 2), fp8_target,
+                      c["transformers_best"] or "-", fmt(c["bf16_vs_transformers"], 2), bf16_target])
+    return markdown_table(["model", "scenario", "mode", "fp8 / bf16", "target", "transformers' best",
+                           "bf16 / transformers' best", "target"], lines)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"(\d+)-(\d+)", text)
+    if not match or not 1 <= int(match[1]) <= int(match[2]):
+        raise argparse.ArgumentTypeError(f"expected MIN-MAX with 1 <= MIN <= MAX, got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+def positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+        return value
+    return parse
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", action="append", choices=sorted(PRESETS),
+                        help="a model to serve (repeatable; default: all; llama3-8b on CUDA only)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny random model and a short stream, on any device")
+    parser.add_argument("--requests", type=positive(int), help="requests in the stream (default: the model's preset)")
+    parser.add_argument("--prompt-tokens", type=parse_range, metavar="MIN-MAX", help="prompt lengths, uniform")
+    parser.add_argument("--output-tokens", type=parse_range, metavar="MIN-MAX", help="output lengths, uniform")
+    parser.add_argument("--kv-cache-memory", type=positive(float), metavar="GIB",
+                        help="the memory-limited scenario's budget of cache pages, GiB (default: the model's preset)")
+    parser.add_argument("--clients", type=positive(int), help="concurrent clients online (default: the model's preset)")
+    parser.add_argument("--page-size", type=positive(int), default=PAGE_SIZE, help="tokens per cache page")
+    parser.add_argument("--seed", type=int, default=0, help="the stream's seed")
+    parser.add_argument("--no-online", action="store_true", help="offline only")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="write all results as JSON")
+    args = parser.parse_args(argv)
+    if args.smoke and args.model:
+        parser.error("argument --model: not with --smoke, which serves its own tiny model")
+    if not args.smoke and args.device != "cuda" and "llama3-8b" in (args.model or PRESETS):
+        parser.error("argument --device: llama3-8b needs a CUDA GPU; on the CPU: --smoke, or --model smollm2")
+    args.png = None  # common.write_outputs: no plot for this benchmark
+    return args
+
+
+def presets(args: argparse.Namespace) -> dict[str, Preset]:
+    """The chosen models' presets with the command line's overrides."""
+    chosen = {"tiny": SMOKE} if args.smoke else {name: PRESETS[name] for name in args.model or PRESETS}
+    overrides = {field: getattr(args, field) for field in ("requests", "prompt_tokens", "output_tokens",
+                                                           "kv_cache_memory", "clients")}
+    overrides["kv_cache_gib"] = overrides.pop("kv_cache_memory")
+    overrides = {field: value for field, value in overrides.items() if value is not None}
+    return {name: dataclasses.replace(preset, **overrides) for name, preset in chosen.items()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_arguments(argv)
+    device = torch.device(args.device)
+    print(f"streams: seed {args.seed}, lengths uniform, EOS ignored, greedy; pages of {args.page_size} tokens; "
+          f"{WARMUP_REQUESTS} warm-up requests (<= {WARMUP_OUTPUT} output tokens) before each measured stream; "
+          "times: host wall clock", flush=True)
+    rows, streams = [], {}
+    for name, preset in presets(args).items():
+        try:
+            model_rows, streams[name] = run_model(name, preset, args, device)
+        except SystemExit:
+            raise
+        except Exception as exc:  # e.g. SmolLM2 not installed: its row says why
+            model_rows = [{"model": name, "scenario": "-", "kv_cache_gib": None, "mode": "-", "system": "-",
+                           "error": f"model unavailable: {error_text(exc)}"}]
+            print(f"{name}: {model_rows[0]['error']}", flush=True)
+        rows += model_rows
+        release_memory()
+    compared = comparisons([row for row in rows if row["mode"] != "-"])
+    print(results_table(rows))
+    print()
+    print(comparisons_table(compared))
+    header = run_header("serve", device) if device.type == "cuda" else {
+        "benchmark": "serve", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": {"name": "cpu", "torch": torch.__version__}}
+    payload = header | {"transformers": transformers.__version__, "page_size": args.page_size, "seed": args.seed,
+                        "warmup_requests": WARMUP_REQUESTS, "warmup_output_tokens": WARMUP_OUTPUT,
+                        "streams": streams, "rows": rows, "comparisons": compared,
+                        "targets": {name: ok for c in compared for name, ok in c["targets"].items()}}
+    write_outputs(payload, args)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

