@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -542,3 +543,27 @@ def make_paged_attention_inputs(*, seq_lens: list[int], q_lens: list[int] | None
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), cu_seqlens_q=cu_seqlens_q,
         softmax_scale=head_size**-0.5, k_scale=k_scale.to(device), v_scale=v_scale.to(device),
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, out=out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Test grids
+# ----------------------------------------------------------------------------------------------
+
+
+def covering_grid(full: dict[str, list], paired: dict[str, list]) -> list[dict]:
+    """Every combination of the `full` axes, each extended with values of the `paired` axes chosen
+    greedily so that every pair of values of any two axes occurs in some case."""
+    def pairs(case):
+        return {((a, case[a]), (b, case[b])) for a, b in itertools.combinations(case, 2)}
+
+    cases = [dict(zip(full, values)) for values in itertools.product(*full.values())]
+    covered = set().union(*map(pairs, cases))
+    for name, values in paired.items():
+        for i, case in enumerate(cases):
+            rotated = values[i % len(values):] + values[:i % len(values)]  # spreads ties
+            case[name] = max(rotated, key=lambda value: len(pairs({**case, name: value}) - covered))
+            covered |= pairs(case)
+    axes = {**full, **paired}
+    wanted = {((a, x), (b, y)) for a, b in itertools.combinations(axes, 2) for x in axes[a] for y in axes[b]}
+    assert wanted <= covered, f"grid misses pairs {sorted(wanted - covered)[:5]}"
+    return cases

@@ -6,12 +6,11 @@ reference.paged_attention_reference. Every cache slot no query may see holds NaN
 starts as NaN, so reading a masked slot or skipping an output element fails.
 
 The grids take every combination of the axes that change the arithmetic most and add the other
-axes so that every pair of values of any two axes occurs (see covering_grid).
+axes so that every pair of values of any two axes occurs (see reference.covering_grid).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 
@@ -21,8 +20,8 @@ import torch
 import fp8kv
 from fp8kv._ops import supported_values
 from reference import (CACHE_FORMATS, CACHE_LAYOUTS, FORMAT_BY_NAME, AttentionReference, allocate_caches,
-                       assert_within, calibrated_scales, fill_nan, kernel_product_dtype, make_paged_attention_inputs,
-                       paged_attention_reference, add_output_rounding, paged_block_tables,
+                       assert_within, calibrated_scales, covering_grid, fill_nan, kernel_product_dtype,
+                       make_paged_attention_inputs, paged_attention_reference, add_output_rounding, paged_block_tables,
                        quantization_error_bound, quantization_spacing, random_kv)
 
 HEAD_SIZES = list(supported_values("cuda_head_sizes"))  # the CPU kernels take any
@@ -33,25 +32,6 @@ GQA_RATIOS = [1, 4, 8]
 QUERY_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 NUM_KV_HEADS = 2
 SOFT_CAP = 2.0
-
-
-def covering_grid(full: dict[str, list], paired: dict[str, list]) -> list[dict]:
-    """Every combination of the `full` axes, each extended with values of the `paired` axes chosen
-    greedily so that every pair of values of any two axes occurs in some case."""
-    def pairs(case):
-        return {((a, case[a]), (b, case[b])) for a, b in itertools.combinations(case, 2)}
-
-    cases = [dict(zip(full, values)) for values in itertools.product(*full.values())]
-    covered = set().union(*map(pairs, cases))
-    for name, values in paired.items():
-        for i, case in enumerate(cases):
-            rotated = values[i % len(values):] + values[:i % len(values)]  # spreads ties
-            case[name] = max(rotated, key=lambda value: len(pairs({**case, name: value}) - covered))
-            covered |= pairs(case)
-    axes = {**full, **paired}
-    wanted = {((a, x), (b, y)) for a, b in itertools.combinations(axes, 2) for x in axes[a] for y in axes[b]}
-    assert wanted <= covered, f"grid misses pairs {sorted(wanted - covered)[:5]}"
-    return cases
 
 
 def case_id(case: dict) -> str:
