@@ -32,9 +32,7 @@ import torch
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM is imported: the CPU platform
 vllm = pytest.importorskip("vllm")
 
-from reference import (FORMAT_BY_DTYPE, AttentionReference, add_output_rounding, assert_within,  # noqa: E402
-                       bits, calibrated_scales, covering_grid, paged_attention_reference, quantization_error_bound,
-                       quantization_spacing, random_kv)
+from reference import assert_within, calibrated_scales, covering_grid, random_kv  # noqa: E402
 from vllm.config import AttentionConfig, CacheConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
@@ -56,7 +54,10 @@ from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # no
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheLayout, create_kv_cache_views  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+from vllm_pages import ExpectedPages, Requests, poison  # noqa: E402
+
 from fp8kv.integrations import vllm as plugin  # noqa: E402
+from fp8kv.integrations.vllm import AttentionMetadata  # noqa: E402
 from fp8kv.integrations.vllm_backend import (Fp8kvAttentionBackend, Fp8kvAttentionImpl,  # noqa: E402
                                              Fp8kvMetadataBuilder)
 
@@ -111,7 +112,8 @@ def load_scales(layer: Attention, scales: str, k_scale: torch.Tensor, v_scale: t
 
 class Engine:
     """One attention layer of a model on vLLM's cache (planned for two layers, the second one's pages
-    next to it) and the bookkeeping of vLLM's scheduler and model runner for its requests."""
+    next to it), and vLLM's model runner for it: each step's CommonAttentionMetadata built as the
+    runner builds it, the layer called inside vLLM's forward context."""
 
     def __init__(self, case: dict, monkeypatch, seed: int):
         self.case = case
@@ -145,120 +147,60 @@ class Engine:
             self.checkpoint_scales = [calibrated_scales(self.pool[n].float(), calibrated_as, per_head, self.generator)
                                       for n in "kv"]
             load_scales(self.layer, case["scales"], *self.checkpoint_scales)
-        self.format = FORMAT_BY_DTYPE.get(self.fp8)
 
         spec = self.layer.get_kv_cache_spec(self.config)
         plan = get_kv_cache_config_from_groups(self.config, [KVCacheGroupSpec([LAYER, OTHER_LAYER], spec)], 1 << 40)
         assert plan.num_blocks == NUM_BLOCKS
         caches = allocate_kv_cache(plan, torch.device("cpu"), KVCacheLayout[case["layout"]])
-        self.layer.kv_cache = caches[LAYER]
-        self.buffer = caches[LAYER].view(torch.uint8 if self.fp8 else self.dtype)  # vLLM's view, as bytes
-        self.nan_code = self.format.nan_code if self.format else None
-        for cache in caches.values():  # poison: every slot a step does not write must keep the NaN code
-            self.poison(cache)
-        self.other_layer_cache = caches[OTHER_LAYER]
-        self.expected = bits(self.buffer).clone()  # what the layer's cache must hold, as vLLM views it
+        for page in caches.values():  # every byte a step does not write must keep its NaN code
+            poison(page, self.fp8)
+        self.layer.kv_cache, self.other_page = caches[LAYER], caches[OTHER_LAYER]
+        self.expected = ExpectedPages(caches[LAYER], self.fp8, self.dtype)
+        self.expected_other = ExpectedPages(caches[OTHER_LAYER], self.fp8, self.dtype)
         self.builder = backend.get_builder_cls()(spec, [LAYER], self.config, torch.device("cpu"))
-        self.max_blocks_per_req = math.ceil(POOL / case["block_size"])
-        self.free_blocks = (torch.randperm(NUM_BLOCKS - 1, generator=self.generator) + 1).tolist()  # 0: null
-        self.requests: dict[str, dict] = {}
-
-    def poison(self, cache: torch.Tensor) -> None:
-        if self.fp8:
-            cache.view(torch.uint8).fill_(self.nan_code)
-        else:
-            cache.fill_(math.nan)
+        self.requests = Requests(NUM_BLOCKS, case["block_size"], math.ceil(POOL / case["block_size"]), self.generator)
+        self.pool_offset: dict[str, int] = {}
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's scales as vLLM holds them, [1] or [num_kv_heads]."""
         return self.layer._k_scale.reshape(-1), self.layer._v_scale.reshape(-1)
 
-    def stored(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """The bits a slot holds for x [n, H, D]: the reference encoder's codes, or x's own bits."""
-        if self.fp8 is None:
-            return bits(x)
-        return self.format.encode(x.float() / scale.view(-1, 1))
-
-    def values(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        """float64 values a slot holding x [n, H, D] decodes to."""
-        if self.fp8 is None:
-            return x.double()
-        return self.format.table[self.stored(x, scale).long()] * scale.double().view(-1, 1)
-
-    def step(self, scheduled: list[tuple[str, int]], pad_tokens: int = 0, pad_reqs: int = 0) -> None:
-        """Runs one step: `scheduled` (request, new tokens) in vLLM's order, decodes first; the batch
-        padded by `pad_reqs` requests without tokens and `pad_tokens` tokens without requests."""
-        block_size = self.case["block_size"]
-        query_lens, positions, slots, rows = [], [], [], []
-        for name, new in scheduled:
-            request = self.requests.setdefault(name, {"len": 0, "blocks": [], "base": POOL * len(self.requests)})
-            start = request["len"]
-            request["len"] += new
-            while len(request["blocks"]) * block_size < request["len"]:
-                request["blocks"].append(self.free_blocks.pop())
-            query_lens.append(new)
-            for p in range(start, start + new):
-                positions.append(p)
-                slots.append(request["blocks"][p // block_size] * block_size + p % block_size)
-                rows.append((name, p))
-        num_reqs, num_tokens = len(scheduled), len(positions)
-        num_reqs_padded, num_tokens_padded = num_reqs + pad_reqs, num_tokens + pad_tokens + pad_reqs
-        cu = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
-        query_start_loc = torch.cat([cu, cu[-1:].expand(pad_reqs)])  # padding requests: no rows
-        seq_lens = torch.tensor([self.requests[n]["len"] for n, _ in scheduled] + [0] * pad_reqs, dtype=torch.int32)
-        block_table = torch.full((num_reqs_padded, self.max_blocks_per_req), NULL_BLOCK_ID, dtype=torch.int32)
-        for i, (name, _) in enumerate(scheduled):
-            blocks = self.requests[name]["blocks"]
-            block_table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        slot_mapping = torch.full((num_tokens_padded,), PAD_SLOT_ID, dtype=torch.int64)
-        slot_mapping[:num_tokens] = torch.tensor(slots)
+    def step(self, scheduled: list[tuple[str, int]], pad_tokens: int = 0, pad_reqs: int = 0) -> AttentionMetadata:
+        """Runs one step of `scheduled` (request, new tokens) in vLLM's order, decodes first, padded
+        by `pad_reqs` requests and `pad_tokens` tokens; checks the cache and the output."""
+        step = self.requests.step(scheduled, pad_tokens, pad_reqs)
         common = CommonAttentionMetadata(
-            query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc.clone(), seq_lens=seq_lens,
-            num_reqs=num_reqs_padded, num_actual_tokens=num_tokens_padded, max_query_len=max(query_lens),
-            max_seq_len=int(seq_lens.max()), block_table_tensor=block_table, slot_mapping=slot_mapping,
-            causal=True, seq_lens_cpu_upper_bound=seq_lens.clone(),
-            is_prefilling=torch.zeros(num_reqs_padded, dtype=torch.bool))
+            query_start_loc=step.query_start_loc, query_start_loc_cpu=step.query_start_loc.clone(),
+            seq_lens=step.seq_lens, num_reqs=step.num_reqs_padded, num_actual_tokens=step.num_tokens_padded,
+            max_query_len=max(step.query_lens), max_seq_len=int(step.seq_lens.max()),
+            block_table_tensor=step.block_table, slot_mapping=step.slot_mapping, causal=True,
+            seq_lens_cpu_upper_bound=step.seq_lens.clone(),
+            is_prefilling=torch.zeros(step.num_reqs_padded, dtype=torch.bool))
         metadata = self.builder.build(0, common)
 
-        index = torch.tensor([self.requests[name]["base"] + p for name, p in rows], dtype=torch.long)
-        new_k, new_v = self.pool["k"][index], self.pool["v"][index]
-        pad = torch.randn(num_tokens_padded - num_tokens, self.num_kv_heads, self.head_size, generator=self.generator)
-        key = torch.cat([new_k, pad.to(self.dtype)]).flatten(1)
-        value = torch.cat([new_v, pad.to(self.dtype)]).flatten(1)
-        query = torch.randn(num_tokens_padded, self.num_heads * self.head_size, generator=self.generator)
+        for name, _ in scheduled:
+            self.pool_offset.setdefault(name, POOL * len(self.pool_offset))
+        index = torch.tensor([self.pool_offset[name] + p for name, p in step.rows], dtype=torch.long)
+        padding = torch.randn(step.num_tokens_padded - step.num_tokens, self.num_kv_heads, self.head_size,
+                              generator=self.generator).to(self.dtype)
+        key, value = (torch.cat([self.pool[n][index], padding]) for n in "kv")
+        query = torch.randn(step.num_tokens_padded, self.num_heads * self.head_size, generator=self.generator)
         query = query.to(self.dtype)
-        with set_forward_context({LAYER: metadata}, self.config, slot_mapping={LAYER: slot_mapping}):
-            out = self.layer(query, key, value)
+        with set_forward_context({LAYER: metadata}, self.config, slot_mapping={LAYER: step.slot_mapping}):
+            out = self.layer(query, key.flatten(1), value.flatten(1))
 
-        # The cache: the new tokens' slots hold their bytes, nothing else changed, nor the other layer's pages.
-        k_scale, v_scale = self.scales()
-        half = self.head_size
-        blocks, offsets_in_block = torch.tensor(slots) // block_size, torch.tensor(slots) % block_size
-        self.expected[blocks, :, offsets_in_block, :half] = self.stored(new_k, k_scale)
-        self.expected[blocks, :, offsets_in_block, half:] = self.stored(new_v, v_scale)
-        assert torch.equal(bits(self.buffer), self.expected), "the cache does not hold exactly the written tokens"
-        other = bits(self.other_layer_cache)
-        assert bool((other == (self.nan_code if self.fp8 else bits(torch.tensor(math.nan, dtype=self.dtype))))
-                    .all()), "the other layer's pages were written"
-
-        # Attention against float64 over the values the slots hold.
-        key_values = torch.full((NUM_BLOCKS, block_size, self.num_kv_heads, half), math.nan, dtype=torch.float64)
-        value_values = key_values.clone()
-        for name, request in self.requests.items():
-            n = request["len"]
-            all_blocks = torch.tensor(request["blocks"])
-            p = torch.arange(n)
-            held = slice(request["base"], request["base"] + n)
-            key_values[all_blocks[p // block_size], p % block_size] = self.values(self.pool["k"][held], k_scale)
-            value_values[all_blocks[p // block_size], p % block_size] = self.values(self.pool["v"][held], v_scale)
-        q = query[:num_tokens].view(num_tokens, self.num_heads, half)
-        reference = add_output_rounding(paged_attention_reference(
-            q, key_values, value_values, block_table[:num_reqs], seq_lens[:num_reqs], cu, self.head_size**-0.5,
-            self.window, self.soft_cap), self.dtype)
-        out = out.view(num_tokens_padded, self.num_heads, half)
-        assert_within(out[:num_tokens], reference, f"step {scheduled}")
+        self.expected.write(step.slot_mapping[:step.num_tokens], key[:step.num_tokens], value[:step.num_tokens],
+                            *self.scales())
+        self.expected.assert_held_by(self.layer.kv_cache)
+        self.expected_other.assert_held_by(self.other_page)
+        out = out.view(step.num_tokens_padded, self.num_heads, self.head_size)
+        q = query.view(step.num_tokens_padded, self.num_heads, self.head_size)[:step.num_tokens]
+        reference = self.expected.reference(q, step, *self.scales(), self.head_size**-0.5, self.window,
+                                            self.soft_cap, "cpu")
+        assert_within(out[:step.num_tokens], reference, f"step {scheduled}")
         if metadata.query_start_loc is None:  # a decode batch: padding requests' rows are zeros
-            assert bool((out[num_reqs:num_reqs_padded] == 0).all())
+            assert bool((out[step.num_reqs:step.num_reqs_padded] == 0).all())
+        return metadata
 
 
 def model_dtype(case: dict) -> torch.dtype:
@@ -409,11 +351,7 @@ def test_fp8_queries_and_output_quantization_are_refused(monkeypatch):
     engine = decode_engine(monkeypatch)
     impl, layer = engine.layer.impl, engine.layer
     assert not impl.supports_quant_query_input and layer.query_quant is None
-    metadata = engine.builder.build(0, CommonAttentionMetadata(
-        query_start_loc=torch.tensor([0, 1], dtype=torch.int32), query_start_loc_cpu=torch.tensor([0, 1]),
-        seq_lens=torch.tensor([20], dtype=torch.int32), num_reqs=1, num_actual_tokens=1, max_query_len=1,
-        max_seq_len=20, block_table_tensor=torch.tensor([engine.requests["a"]["blocks"]], dtype=torch.int32),
-        slot_mapping=torch.tensor([PAD_SLOT_ID])))
+    metadata = engine.step([("a", 1)])
     output = torch.empty(1, 8, 64, dtype=torch.bfloat16)
     query = torch.zeros(1, 8, 64).to(torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match="`query`"):
