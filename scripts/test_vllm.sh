@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The vLLM backend's tests (tests/integrations/test_vllm*.py) inside vLLM, on CPU: vLLM at the version
+# pyproject.toml's [vllm] extra pins, in an environment of its own, .venv-vllm. vLLM brings its own
+# torch with its CUDA libraries: the first run downloads and installs about 9.4 GB (3 minutes on a
+# fast link; later runs find it installed). fp8kv is built there against that torch, CPU kernels
+# only (FP8KV_CUDA=0: the torch is a CUDA build and nvcc may be on the machine, but these tests run
+# on vLLM's CPU platform), in a build directory of its own (build/vllm), about a minute on 2 cores.
+#   bash scripts/test_vllm.sh [pytest args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+say() { echo "test_vllm.sh: $*" >&2; }
+venv=.venv-vllm
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+pip_install() { "$venv/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+pin=$(python3 -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["vllm"])')
+say "installing $pin into $venv (about 9.4 GB the first time)"
+# No pip cache: it would hold a second copy of the wheels.
+pip_install --no-cache-dir "$pin" "scikit-build-core>=0.10" "cmake>=3.24" ninja "pytest>=7" numpy
+say "building fp8kv's CPU kernels against torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
+FP8KV_CUDA=0 pip_install --no-build-isolation -C build-dir=build/vllm ".[vllm]"
+VLLM_TARGET_DEVICE=cpu exec "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/integrations/test_vllm.py \
+  tests/integrations/test_vllm_pages.py "$@"
