@@ -17,6 +17,9 @@ What is where:
 - fp8kv.ops: the operators (reshape_and_cache, paged_attention, kv_amax) on tensors you allocate.
 - fp8kv.integrations.transformers: `enable(model)` and `PagedCache` run `model.generate` of a
   Hugging Face transformers model on the FP8 cache (needs the [hf] extra).
+- fp8kv.integrations.vllm: vLLM's attention backend FP8KV, registered by the package's
+  `vllm.general_plugins` entry point (`vllm serve MODEL --kv-cache-dtype fp8 --attention-backend
+  FP8KV`; the [vllm] extra, docs/vllm.md).
 - fp8kv.calibration, fp8kv.evaluate: scales calibrated on your data and written into a
   checkpoint; what a cache costs a model in perplexity and KL.
 - The command line, `python -m fp8kv {demo,inspect,calibrate,evaluate} --help`.

@@ -280,6 +280,7 @@ def valid_configuration(**changes) -> dict:
                                      {"kv_cache_dtype": "fp8_e5m2"}, {"dtype": torch.float16}, {"head_size": 64},
                                      {"block_size": 256}, {"block_size": 512}, {"block_size": None},
                                      {"device_capability": DeviceCapability(8, 0)},
+                                     {"device_capability": DeviceCapability(8, 6)},
                                      {"device_capability": DeviceCapability(8, 9)}], ids=str)
 def test_validate_configuration_accepts(changes):
     assert Fp8kvAttentionBackend.validate_configuration(**valid_configuration(**changes)) == []
@@ -298,6 +299,7 @@ def test_validate_configuration_accepts(changes):
     ({"head_size": 72}, "head_size not supported"),
     ({"block_size": 4}, "block_size not supported"),
     ({"device_capability": DeviceCapability(7, 5)}, "compute capability not supported"),
+    ({"device_capability": DeviceCapability(9, 4)}, "compute capability not supported"),  # MI300
     ({"device_capability": DeviceCapability(10, 0)}, "compute capability not supported"),
     ({"use_dcp": True}, "DCP not supported"),
     ({"use_batch_invariant": True}, "batch invariance not supported"),
