@@ -136,6 +136,7 @@ class Engine:
                                    cache_config=cache_config, prefix=LAYER, attn_backend=backend,
                                    logits_soft_cap=self.soft_cap or None,
                                    per_layer_sliding_window=self.window if case["window"] else None)
+        assert not self.layer.use_direct_call  # the layer calls vLLM's custom ops, as on CUDA
         # K/V of every token the requests will have, and checkpoint scales calibrated on them.
         self.pool = {name: random_kv(POOL * MAX_REQUESTS, self.num_kv_heads, self.head_size, self.generator)
                      .to(self.dtype) for name in "kv"}
