@@ -32,7 +32,9 @@ import torch
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM is imported: the CPU platform
 vllm = pytest.importorskip("vllm")
 
-from reference import assert_within, calibrated_scales, covering_grid, random_kv  # noqa: E402
+from reference import (FORMAT_BY_DTYPE, AttentionReference, assert_within, calibrated_scales,  # noqa: E402
+                       covering_grid, paged_attention_reference, quantization_error_bound, quantization_spacing,
+                       random_kv)
 from vllm.config import AttentionConfig, CacheConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.engine.arg_utils import EngineArgs  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
@@ -201,7 +203,24 @@ class Engine:
         assert_within(out[:step.num_tokens], reference, f"step {scheduled}")
         if metadata.query_start_loc is None:  # a decode batch: padding requests' rows are zeros
             assert bool((out[step.num_reqs:step.num_reqs_padded] == 0).all())
+        self.last = step, q, out[:step.num_tokens]
         return metadata
+
+    def unquantized_caches(self) -> tuple[torch.Tensor, ...]:
+        """float64 [num_blocks, block_size, H, D] caches of the K/V the requests wrote, as the model
+        computed them, and of half the FP8 grid spacing around each (its quantization error bound);
+        NaN in every other slot."""
+        block_size = self.case["block_size"]
+        caches = [torch.full((NUM_BLOCKS, block_size, self.num_kv_heads, self.head_size), math.nan,
+                             dtype=torch.float64) for _ in range(4)]
+        for name, length in self.requests.lengths.items():
+            p = torch.arange(length)
+            slots = torch.tensor(self.requests.blocks[name])[p // block_size], p % block_size
+            for n, scale, values, error in zip("kv", self.scales(), caches[:2], caches[2:]):
+                x = self.pool[n][self.pool_offset[name]:][:length]
+                values[slots] = x.double()
+                error[slots] = quantization_spacing(x.double(), scale, FORMAT_BY_DTYPE[self.fp8]) / 2
+        return tuple(caches)
 
 
 def model_dtype(case: dict) -> torch.dtype:
@@ -242,6 +261,34 @@ def test_prefill_chunked_prefill_and_decode_through_the_attention_layer(case, mo
     engine.step([("a", 1), ("b", 1), ("c", b + 7)], pad_tokens=3)
     engine.step([("a", 1), ("b", 1), ("c", 1)], pad_reqs=NUM_REQS_PADDED - 3)
     engine.step([("b", 1), ("c", 9), ("a", 2)])
+
+
+@pytest.mark.parametrize("cache_dtype, scales", [
+    ("fp8", "per_tensor"), ("fp8", "per_head"), ("fp8_e5m2", "per_tensor"), ("fp8_e5m2", "per_head"),
+    ("fp8_fnuz", "per_tensor")])
+def test_the_output_follows_the_models_kv_within_the_formats_precision(cache_dtype, scales, monkeypatch):
+    """A prompt and a decode step, compared with float64 attention over the K/V the model computed
+    (not the cache's values): the allowed error is the quantization bound (reference.
+    quantization_error_bound) plus the kernel's over the quantized values, and it rejects the same
+    output with a doubled V scale. So the cache holds K/V in the scales' meaning in vLLM: x is about
+    code * scale. (e4m3fnuz with compressed-tensors scales is left out: vLLM 0.33 does not double
+    them for it, so values past 240 scales saturate and this bound fails.)"""
+    case = {"cache_dtype": cache_dtype, "layout": "LBHNC", "scales": scales, "dtype": torch.bfloat16,
+            "block_size": 16, "head_size": 128, "num_kv_heads": 2, "window": False, "soft_cap": False}
+    engine = Engine(case, monkeypatch, seed=21)
+    engine.step([("a", 70), ("b", 33)])
+    engine.step([("a", 1), ("b", 1)])
+    step, query, out = engine.last
+    key_values, value_values, key_error, value_error = engine.unquantized_caches()
+    n = step.num_reqs
+    common = (step.block_table[:n], step.seq_lens[:n], step.query_start_loc[:n + 1], engine.head_size**-0.5)
+    exact = paged_attention_reference(query, key_values, value_values, *common)
+    quantization = quantization_error_bound(query, key_values, value_values, key_error, value_error, *common)
+    kernel = engine.expected.reference(query, step, *engine.scales(), engine.head_size**-0.5, -1, 0.0, "cpu")
+    allowed = AttentionReference(exact.out, quantization + kernel.bound)
+    assert_within(out, allowed, "against the model's K/V")
+    with pytest.raises(AssertionError, match="outside the bound"):  # a doubled V scale doubles the output
+        assert_within(2 * out.double(), allowed, "with a doubled V scale")
 
 
 # ----------------------------------------------------------------------------------------------
