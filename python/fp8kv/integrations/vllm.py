@@ -1,6 +1,6 @@
 """vLLM on fp8kv's kernels: an attention backend that writes and reads vLLM's own paged KV cache.
 
-    pip install --no-build-isolation "fp8kv[vllm]"      # README's Install, in vLLM's environment
+    python3 -m pip install --no-build-isolation ".[vllm]"   # the source tree, in vLLM's environment
     vllm serve MODEL --kv-cache-dtype fp8 --attention-backend FP8KV
 
 vLLM loads the `vllm.general_plugins` entry point `fp8kv` (pyproject.toml) in each of its processes;
@@ -14,8 +14,8 @@ block_size, 2 * head_size] view of vLLM's buffer (the uint8 storage of an FP8 ca
 half of the last dimension and V in the second, in whichever memory order vLLM's KVCacheLayout gave
 it. `kv_cache_halves` views its two halves as fp8kv's [num_blocks, block_size, num_kv_heads,
 head_size] caches, which take any strides. The scales are the attention layer's `_k_scale` and
-`_v_scale` as vLLM loaded them (0-dim, [1] or [num_kv_heads], float32, on the device; for an
-e4m3fnuz cache vLLM has already doubled them).
+`_v_scale` as vLLM loaded them (0-dim, [1] or [num_kv_heads], float32, on the device), used as they
+are: vLLM's own adjustments (doubling an FP8 checkpoint's for e4m3fnuz) are made already.
 
 This module does not import vLLM: the functions below are the backend's work on plain tensors
 (`write_kv`, `attend`), so they are tested on GPUs without vLLM installed.
@@ -34,6 +34,8 @@ BACKEND_CLASS = "fp8kv.integrations.vllm_backend.Fp8kvAttentionBackend"
 # The vLLM release (major, minor) the backend is written against and tested with; pyproject.toml's
 # [vllm] extra pins the same.
 SUPPORTED_VLLM = (0, 33)
+# vLLM's --kv-cache-dtype names the backend reads: auto is an unquantized cache in the model's dtype.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def register() -> None:
@@ -49,10 +51,10 @@ def cache_format(kv_cache_dtype: str, platform_fp8: torch.dtype) -> torch.dtype 
     """The FP8 dtype of vLLM's `--kv-cache-dtype` name (`platform_fp8`, vLLM's `fp8_dtype()` of the
     platform, for fp8 and fp8_e4m3: e4m3fn, or e4m3fnuz on MI300), or None for auto, whose cache has
     the model's dtype and stores K/V unquantized."""
-    formats = {"auto": None, "fp8": platform_fp8, "fp8_e4m3": platform_fp8, "fp8_e5m2": torch.float8_e5m2}
+    formats = dict(zip(KV_CACHE_DTYPES, (None, platform_fp8, platform_fp8, torch.float8_e5m2)))
     if kv_cache_dtype not in formats:
-        raise ValueError(f"kv_cache_dtype must be one of {sorted(formats)} for fp8kv's attention backend, got "
-                         f"{kv_cache_dtype!r}")
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} for fp8kv's attention "
+                         f"backend, got {kv_cache_dtype!r}")
     return formats[kv_cache_dtype]
 
 
@@ -83,7 +85,7 @@ class AttentionMetadata:
     attends them; requests [num_decodes, num_reqs) own rows [num_decodes, num_query_rows) as
     `query_start_loc` (relative to row num_decodes) says, attended by the multi-token kernel.
     Rows from num_query_rows on (vLLM's padding) are not written."""
-    num_actual_tokens: int
+    num_actual_tokens: int           # the step's tokens, padding included (vLLM reads it from a backend's metadata)
     num_decodes: int
     num_query_rows: int
     seq_lens: torch.Tensor           # int32 [num_reqs]; 0 for a padding request (its output is zeros)

@@ -21,7 +21,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from .._ops import has_cuda_kernels, supported_values
-from .vllm import BACKEND_NAME, SUPPORTED_VLLM, AttentionMetadata, attend, cache_format, write_kv
+from .vllm import BACKEND_NAME, KV_CACHE_DTYPES, SUPPORTED_VLLM, AttentionMetadata, attend, cache_format, write_kv
 
 # The NVIDIA GPUs the CUDA kernels are built for by default (TORCH_CUDA_ARCH_LIST 8.0;8.9;9.0a):
 # sm_80 code runs on every 8.x device, the sm_90a code on 9.0 (H100, H200); there is none for 10.0
@@ -33,8 +33,8 @@ def runs_on(capability: DeviceCapability) -> bool:
 
 class Fp8kvAttentionBackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
-    # auto: an unquantized cache in the model's dtype. fp8 and fp8_e4m3 are the platform's e4m3 format.
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]
+    # fp8 and fp8_e4m3 are the platform's e4m3 format; vLLM's FlashAttention backend has no fp8_e5m2.
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(KV_CACHE_DTYPES)
     forward_includes_kv_cache_update: bool = False
 
     @staticmethod
