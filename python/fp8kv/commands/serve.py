@@ -287,6 +287,13 @@ def _one_model_manager():
         def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
             return self._model
 
+        def list_models(self, cache_dir=None):
+            """/v1/models: the one model, under the name the requests use."""
+            return [{"id": self.force_model, "object": "model", "created": 0, "owned_by": "fp8kv"}]
+
+        # transformers 5.23's /v1/models lists its download cache (and fails where there is none) through this.
+        get_gen_models = list_models
+
     return OneModel
 
 
