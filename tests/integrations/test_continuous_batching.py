@@ -493,3 +493,13 @@ def test_the_serve_extra_requires_the_supported_transformers():
     (required,) = [r for r in serve if r.name == "transformers"]
     assert required.specifier == Requirement(continuous_batching._requirement()).specifier
     assert required.extras == {"serving"}
+
+
+@pytest.mark.parametrize("use_cuda_graph", [True, (False, True), (True, False)])
+def test_cuda_graphs_on_cuda_are_refused_before_anything_is_allocated(use_cuda_graph):
+    """A captured step has not been run on fp8kv's pages on a GPU: asking for one there is one error
+    (checked on any machine: nothing touches the device before it)."""
+    with pytest.raises(ValueError, match=r"^use_cuda_graph .*: transformers' CUDA graphs of a step have not been run"):
+        continuous_batching._check_batching(ContinuousBatchingConfig(use_cuda_graph=use_cuda_graph),
+                                            torch.device("cuda"))
+    continuous_batching._check_batching(ContinuousBatchingConfig(use_cuda_graph=use_cuda_graph), torch.device("cpu"))

@@ -126,6 +126,12 @@ def _check_server() -> None:
     if not is_serve_available():
         raise CommandError(f"serve needs transformers' server packages (fastapi, uvicorn, openai, pydantic): "
                            f"{INSTALL_SERVE}")
+    from ..integrations import transformers_continuous_batching as continuous_batching
+
+    try:  # before the model loads
+        continuous_batching.check_transformers()
+    except continuous_batching.UnsupportedTransformersError as e:
+        raise CommandError(str(e)) from e
     try:
         from transformers.cli.serving.model_manager import ModelManager
         from transformers.cli.serving.utils import BaseHandler, CBGenerateManager
@@ -297,9 +303,10 @@ def _one_model_manager():
     return OneModel
 
 
-# GenerationConfig settings that do nothing in greedy decoding (do_sample None or False).
-_GREEDY_IGNORES = frozenset({"do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff",
-                             "eta_cutoff"})
+# GenerationConfig settings that do nothing in greedy decoding (do_sample None or False), and the values of
+# temperature and top_p that ask for greedy decoding in OpenAI's API: any other asks for sampling.
+_GREEDY_IGNORES = frozenset({"do_sample", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"})
+_GREEDY_VALUES = {"temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0)}
 
 
 class _UnappliedSettings(Exception):
@@ -321,7 +328,8 @@ def _applying_one_config(handler_class):
                 sampling = bool(requested.get("do_sample")) or bool(shared.get("do_sample"))
                 ignored = {"max_new_tokens"} | (set() if sampling else _GREEDY_IGNORES)
                 unapplied = sorted(name for name in requested.keys() | shared.keys()
-                                   if name not in ignored and requested.get(name) != shared.get(name))
+                                   if name not in ignored and requested.get(name) != shared.get(name)
+                                   and (sampling or requested.get(name) not in _GREEDY_VALUES.get(name, ())))
                 if unapplied:
                     raise _UnappliedSettings(
                         "this server decodes every request with one generation config, the model's; this request "

@@ -87,8 +87,10 @@ def enable_continuous_batching(model, kv_cache: KVCacheConfig):
 
     Refuses, with the reason: a transformers whose continuous batching fp8kv does not support (see
     transformers_continuous_batching.SUPPORTED_VERSIONS), a model with sliding-window layers, a
-    KVCacheConfig of another layer count, a model that is not float16 or bfloat16. On CUDA, a
-    page_size fp8kv's kernels do not read is refused when the cache is made."""
+    KVCacheConfig of another layer count, a model that is not float16 or bfloat16, a head size the
+    recipe or (on CUDA) the kernels do not take. On CUDA, a page_size fp8kv's kernels do not read
+    and transformers' CUDA graphs of a step (not yet run on fp8kv's pages on a GPU) are refused when
+    the cache is made."""
     if not isinstance(kv_cache, KVCacheConfig):
         raise TypeError(f"kv_cache must be a KVCacheConfig, got {type(kv_cache).__name__}")
     continuous_batching.install_hooks()

@@ -222,8 +222,8 @@ def check_model(model, kv_cache: KVCacheConfig) -> None:
     config = model.config.get_text_config()
     try:
         groups = _TRANSFORMERS.cache.group_layers_by_attn_type(config)
-    except ValueError as e:
-        groups = {str(e): []}
+    except ValueError as e:  # a layer type transformers' continuous batching does not know
+        raise ValueError(f"transformers' continuous batching does not run this {config.model_type} model: {e}") from e
     if set(groups) != {_TRANSFORMERS.full_attention}:
         others = {kind: layers for kind, layers in groups.items() if kind != _TRANSFORMERS.full_attention}
         described = "; ".join(f"{kind} (layers {', '.join(map(str, layers))})" if layers else kind
@@ -242,8 +242,14 @@ def check_model(model, kv_cache: KVCacheConfig) -> None:
         raise ValueError(f"the model computes in {model.dtype}; fp8kv's attention takes float16 or bfloat16 queries: "
                          "convert it with model.to(torch.bfloat16)")
     head_size = model_head_size(config.to_dict())
-    if kv_cache.rotation is Rotation.HADAMARD and head_size is not None:
+    if head_size is None:
+        raise ValueError(f"this {config.model_type} model's config gives no head size (head_dim, or hidden_size and "
+                         "num_attention_heads)")
+    if kv_cache.rotation is Rotation.HADAMARD:
         check_head_size(head_size)
+    if model.device.type == "cuda" and has_cuda_kernels() and head_size not in supported_values("cuda_head_sizes"):
+        raise ValueError(f"head size {head_size}: fp8kv's CUDA kernels attend over heads of "
+                         f"{', '.join(map(str, supported_values('cuda_head_sizes')))}")
 
 
 def enable_model(model, kv_cache: KVCacheConfig, attn_implementation: str) -> None:
@@ -283,6 +289,11 @@ def _allocating_fp8_pages(original):
 
 def _check_batching(batching, device: torch.device) -> None:
     """Refuses the settings fp8kv's pages cannot serve, before anything is allocated."""
+    if device.type == "cuda" and any(batching.cuda_graph_booleans):
+        # Padded steps are served (and tested on CPU with compiled steps), but a captured step has not been run.
+        raise ValueError(f"use_cuda_graph {batching.use_cuda_graph}: transformers' CUDA graphs of a step have not been "
+                         "run on fp8kv's pages on a GPU yet; leave use_cuda_graph unset (transformers then leaves them "
+                         "off for fp8kv's attention) or False")
     if device.type == "cuda" and has_cuda_kernels() and batching.page_size not in supported_values("cuda_block_sizes"):
         raise ValueError(f"page_size {batching.page_size}: fp8kv's CUDA kernels read pages of "
                          f"{', '.join(map(str, supported_values('cuda_block_sizes')))} tokens")
