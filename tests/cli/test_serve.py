@@ -301,6 +301,8 @@ def run(args: list[str], capsys) -> tuple[int, str]:
     (["--kv-cache-memory", "inf"], "--kv-cache-memory", "expected a positive number, got 'inf'"),
     (["--max-num-seqs", "0"], "--max-num-seqs", "expected a positive integer, got '0'"),
     (["--max-num-batched-tokens", "many"], "--max-num-batched-tokens", "expected a positive integer"),
+    (["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "--max-num-seqs",
+     "64 requests per step need at least as many tokens per step, but --max-num-batched-tokens is 32"),
     (["--dtype", "float32"], "--dtype", "invalid choice: 'float32'"),
 ])
 def test_bad_arguments_are_one_line_errors(checkpoint, args, argument, fragment, capsys):

@@ -249,27 +249,36 @@ def _batching(args: argparse.Namespace, model_dir, kv_cache, device):
     """transformers' ContinuousBatchingConfig for the options, checked before the model loads."""
     from transformers import AutoConfig, ContinuousBatchingConfig
 
+    if None not in (args.max_num_seqs, args.max_num_batched_tokens) and args.max_num_seqs > args.max_num_batched_tokens:
+        # A step holds at least one token of each of its requests (transformers would cut the count down).
+        raise CommandError(f"argument --max-num-seqs: {args.max_num_seqs} requests per step need at least as many "
+                           f"tokens per step, but --max-num-batched-tokens is {args.max_num_batched_tokens}",
+                           USAGE_ERROR)
     settings = {"max_batch_tokens": args.max_num_batched_tokens, "max_requests_per_batch": args.max_num_seqs}
     memory = args.kv_cache_memory or (CPU_KV_CACHE_GIB if device.type == "cpu" else None)
     if memory is not None:
         with blame("--model"):
             config = AutoConfig.from_pretrained(model_dir).get_text_config()
-        settings["num_blocks"] = _blocks(memory, config, kv_cache.torch_dtype(DTYPES[args.dtype]).itemsize)
+        settings["num_blocks"] = _blocks(memory, config, kv_cache.torch_dtype(DTYPES[args.dtype]))
     # transformers' CUDA graphs of the step have not been run on fp8kv's pages on a GPU yet.
     return ContinuousBatchingConfig(use_cuda_graph=False,
                                     **{name: value for name, value in settings.items() if value is not None})
 
 
-def _blocks(memory_gib: float, config, element_bytes: int) -> int:
+def _blocks(memory_gib: float, config, cache_dtype: torch.dtype) -> int:
     """transformers' num_blocks for `memory_gib` of pages: a block holds a page of K and V per layer."""
     from transformers import ContinuousBatchingConfig
 
+    from ..cache import bytes_per_token
     from ..checkpoint.config import model_head_size
 
+    head_size = model_head_size(config.to_dict())
+    if head_size is None:
+        raise CommandError("argument --model: its config gives no head size (head_dim, or hidden_size and "
+                           "num_attention_heads)", USAGE_ERROR)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     page_size = ContinuousBatchingConfig.page_size
-    head_size = model_head_size(config.to_dict())
-    block_bytes = config.num_hidden_layers * 2 * kv_heads * head_size * page_size * element_bytes
+    block_bytes = page_size * bytes_per_token(config.num_hidden_layers, kv_heads, head_size, cache_dtype)
     blocks = int(memory_gib * 2**30) // block_bytes
     if blocks == 0:
         raise CommandError(f"argument --kv-cache-memory: {memory_gib:g} GiB holds no block of {page_size} tokens "
