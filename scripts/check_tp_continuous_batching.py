@@ -13,8 +13,11 @@ rank's KV heads. Each rank prints one JSON line (its rank, the three token lists
 largest difference of the log-probabilities between the two generate_batch runs) and exits with 1
 where the tokens differ. Tensor parallelism sums the attention's output projection across ranks,
 which rounds otherwise than one process: the log-probabilities may differ by a rounding, which a
-near tie between two tokens could turn into another token, so a difference is worth a look before
-it is called a bug.
+near tie between two tokens could turn into another token (in a model of one layer the pages are
+still those of one process bit for bit: only the layers after the first see the rounding), so a
+difference is worth a look before it is called a bug. --rank-config enables the tensor-parallel
+model with each rank's own KVCacheConfig instead (load_kv_cache_config with tp_rank, tp_size).
+Exits with 3, printing {"refused": ...}, where transformers refuses to load the model tensor parallel.
 """
 
 from __future__ import annotations
@@ -70,6 +73,10 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--rank-config", action="store_true",
+                        help="enable the tensor-parallel model with the rank's KVCacheConfig (load_kv_cache_config "
+                             "with tp_rank and tp_size) rather than the whole model's")
     args = parser.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -77,7 +84,7 @@ def main() -> int:
     if device.type == "cpu":
         torch.set_num_threads(1)  # the ranks share the machine's cores
     kv_cache = load_kv_cache_config(args.checkpoint, args.kv_cache_dtype, rotation=args.rotation)
-    load = {"dtype": torch.bfloat16, "attn_implementation": "sdpa"}
+    load = {"dtype": getattr(torch, args.dtype), "attn_implementation": "sdpa"}
 
     # One process: the whole model on this rank's device, before any process group exists.
     whole = transformers.AutoModelForCausalLM.from_pretrained(args.checkpoint, **load).to(device).eval()
@@ -87,12 +94,23 @@ def main() -> int:
     one_tokens, one_logprobs = generate_batch(whole, batch, args.new_tokens, args.page_size)
     del whole
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        args.checkpoint, distributed_config=DistributedConfig(tp_plan="auto"), **load).eval()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            args.checkpoint, distributed_config=DistributedConfig(tp_plan="auto"), **load).eval()
+    except Exception as e:  # transformers may refuse tensor parallelism here (e.g. on this device): say so
+        print(json.dumps({"refused": f"{type(e).__name__}: {e}"}), flush=True)
+        return 3
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if args.rank_config:
+        kv_cache = load_kv_cache_config(args.checkpoint, args.kv_cache_dtype, rotation=args.rotation, tp_rank=rank,
+                                        tp_size=torch.distributed.get_world_size())
     tp_tokens, tp_logprobs = generate_batch(enable_continuous_batching(model, kv_cache), batch, args.new_tokens,
                                             args.page_size)
-    difference = max((abs(a - b) for tp, one in zip(tp_logprobs, one_logprobs) for a, b in zip(tp, one)), default=0.0)
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    # Over the tokens both runs gave (after a differing token the texts differ).
+    difference = 0.0
+    for tp, one, tp_values, one_values in zip(tp_tokens, one_tokens, tp_logprobs, one_logprobs):
+        same = next((i for i, (a, b) in enumerate(zip(tp, one)) if a != b), len(tp))
+        difference = max([difference, *(abs(a - b) for a, b in zip(tp_values[:same + 1], one_values[:same + 1]))])
     print(json.dumps({"rank": rank, "device": str(device), "kv_cache": kv_cache.source, "recipe": kv_cache.recipe,
                       "tensor_parallel": tp_tokens, "one_process": one_tokens, "paged_cache": paged,
                       "max_logprob_difference": difference}), flush=True)

@@ -281,10 +281,10 @@ def rank_kv_cache(model, kv_cache: KVCacheConfig) -> KVCacheConfig:
     local = heads // tp_size
     per_layer = [*kv_cache.k_scales, *kv_cache.v_scales, *(kv_cache.k_offsets or ())]
     counts = {len(values) for values in per_layer} - {1}  # 1: per tensor (or one head, the same on every reading)
-    if counts <= {heads}:
-        return kv_cache if tp_size == 1 else shard_kv_cache_config(kv_cache, tp_rank, tp_size)
-    if counts <= {local}:
+    if counts <= {local}:  # the rank's (the model's without tensor parallelism), or per tensor
         return kv_cache
+    if counts <= {heads}:
+        return shard_kv_cache_config(kv_cache, tp_rank, tp_size)
     given = f"kv_cache has per-head scales or K offsets for {' and '.join(map(str, sorted(counts)))} KV heads"
     if tp_size == 1:
         raise ValueError(f"{given} but the model has {heads}: give this model's KVCacheConfig (load_kv_cache_config "
