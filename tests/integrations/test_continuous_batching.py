@@ -47,10 +47,10 @@ pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 def tiny_model(seed: int = 0, num_layers: int = 2):
-    """A 2-layer (by default) GQA Llama (4 query and 2 KV heads of 64, a 64-token vocabulary) with random bf16
-    weights, spread 5x transformers' default so that greedy text changes token to token rather than
-    repeating one; sdpa attention (what transformers' own continuous batching runs on CPU) until
-    enabled."""
+    """A GQA Llama of `num_layers` layers (4 query and 2 KV heads of 64, a 64-token vocabulary) with
+    random bf16 weights, spread 5x transformers' default so that greedy text changes token to token
+    rather than repeating one; sdpa attention (what transformers' own continuous batching runs on
+    CPU) until enabled."""
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=num_layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
@@ -350,7 +350,7 @@ def test_a_memory_budget_holds_twice_the_blocks_in_fp8(fmt, monkeypatch, reports
 ], ids=["mistral, every layer", "qwen2, layer 1"])
 def test_a_model_with_sliding_window_layers_is_refused(model_class, config, layers):
     model = model_class(model_class.config_class(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=num_layers, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, **config)).to(torch.bfloat16)
     with pytest.raises(ValueError, match=rf"^fp8kv's continuous batching needs every layer to use full attention, but "
                                          rf"this {re.escape(layers)}: transformers keeps sliding-window layers in a "

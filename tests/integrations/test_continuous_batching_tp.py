@@ -67,9 +67,9 @@ def torchrun(checkpoint: pathlib.Path, *arguments: str, cuda: bool) -> list[dict
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if not cuda:
         env["CUDA_VISIBLE_DEVICES"] = ""  # the ranks on the CPU, with gloo, on a machine with GPUs too
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(SCRIPT), str(checkpoint), "--dtype", "float16", *arguments], env=env, capture_output=True, text=True,
-                         timeout=300)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT),
+               str(checkpoint), "--dtype", "float16", *arguments]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     reports = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     refused = [report["refused"] for report in reports if "refused" in report]
     if refused and not cuda:

@@ -27,6 +27,10 @@ models enabled here only:
 - `ensure_decode_fast_path_is_available` keeps the decode fast path, which transformers opens to
   flash attention on CUDA only and fp8kv's kernels run on every device.
 
+Under tensor parallelism (a model loaded with tp_plan="auto"), each rank's pages and attention hold its
+own KV heads: `rank_kv_cache` gives the rank its scales and K offsets, by the mesh and plan of
+transformers' own DistributedHelper (the one that sizes the cache).
+
 `install_hooks` checks every private name and signature they rely on, and the transformers version,
 before it installs anything: an unsupported transformers is one error, raised when a model is
 enabled, never during generation.
