@@ -54,9 +54,10 @@ def generate_batch(model, batch: list[list[int]], new_tokens: int, page: int) ->
     outputs = model.generate_batch(
         batch, generation_config=GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1,
                                                   pad_token_id=0),
-        # Steps of at most 32 tokens: longer prompts are prefilled in chunks, as a loaded server does.
+        # Steps of at most 32 tokens: longer prompts are prefilled in chunks, as a loaded server does. No CUDA
+        # graphs, as the server runs (they have not been run on fp8kv's pages on a GPU yet).
         continuous_batching_config=ContinuousBatchingConfig(page_size=page, num_blocks=64, max_batch_tokens=32,
-                                                            return_logprobs=True))
+                                                            use_cuda_graph=False, return_logprobs=True))
     outputs = list(outputs.values())
     errors = [output.error for output in outputs if output.error is not None]
     if errors:
