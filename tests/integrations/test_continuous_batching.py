@@ -46,13 +46,13 @@ CACHES = ["auto", "e4m3-head", "e4m3-rotated-head", "e4m3-centred-head", "e5m2-h
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-def tiny_model(seed: int = 0):
-    """A 2-layer GQA Llama (4 query and 2 KV heads of 64, a 64-token vocabulary) with random bf16
-    weights, spread 5x transformers' default so that greedy text changes token to token rather than
-    repeating one; sdpa attention (what transformers' own continuous batching runs on CPU) until
-    enabled."""
+def tiny_model(seed: int = 0, num_layers: int = 2):
+    """A GQA Llama of `num_layers` layers (4 query and 2 KV heads of 64, a 64-token vocabulary) with
+    random bf16 weights, spread 5x transformers' default so that greedy text changes token to token
+    rather than repeating one; sdpa attention (what transformers' own continuous batching runs on
+    CPU) until enabled."""
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=num_layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
