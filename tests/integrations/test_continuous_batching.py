@@ -46,13 +46,13 @@ CACHES = ["auto", "e4m3-head", "e4m3-rotated-head", "e4m3-centred-head", "e5m2-h
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
-def tiny_model(seed: int = 0):
-    """A 2-layer GQA Llama (4 query and 2 KV heads of 64, a 64-token vocabulary) with random bf16
-    weights, spread 5x transformers' default so that greedy text changes token to token rather than
-    repeating one; sdpa attention (what transformers' own continuous batching runs on CPU) until
-    enabled."""
+def tiny_model(seed: int = 0, num_layers: int = 2):
+    """A GQA Llama of `num_layers` layers (4 query and 2 KV heads of 64, a 64-token vocabulary) with
+    random bf16 weights, spread 5x transformers' default so that greedy text changes token to token
+    rather than repeating one; sdpa attention (what transformers' own continuous batching runs on
+    CPU) until enabled."""
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=num_layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
@@ -493,3 +493,13 @@ def test_the_serve_extra_requires_the_supported_transformers():
     (required,) = [r for r in serve if r.name == "transformers"]
     assert required.specifier == Requirement(continuous_batching._requirement()).specifier
     assert required.extras == {"serving"}
+
+
+@pytest.mark.parametrize("use_cuda_graph", [True, (False, True), (True, False)])
+def test_cuda_graphs_on_cuda_are_refused_before_anything_is_allocated(use_cuda_graph):
+    """A captured step has not been run on fp8kv's pages on a GPU: asking for one there is one error
+    (checked on any machine: nothing touches the device before it)."""
+    with pytest.raises(ValueError, match=r"^use_cuda_graph .*: transformers' CUDA graphs of a step have not been run"):
+        continuous_batching._check_batching(ContinuousBatchingConfig(use_cuda_graph=use_cuda_graph),
+                                            torch.device("cuda"))
+    continuous_batching._check_batching(ContinuousBatchingConfig(use_cuda_graph=use_cuda_graph), torch.device("cpu"))

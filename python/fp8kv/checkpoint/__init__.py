@@ -23,7 +23,7 @@ journal says, so the checkpoint reads as the old one or the new one, never a mix
 from .config import CONFIG_FILE, MAX_NUM_LAYERS, MODELOPT_FILE
 from .files import MAX_JSON_BYTES, SafetensorsHeader, read_json_object, read_safetensors_header
 from .legacy_json import LEGACY_JSON_FILE
-from .per_rank import load_kv_cache_config, shard_kv_heads
+from .per_rank import load_kv_cache_config, shard_kv_cache_config, shard_kv_heads
 from .problems import CheckpointError, Problem
 from .reading import CheckpointScales, read_checkpoint_scales
 from .scale_tensors import FoundScale, module_and_layer, scale_values
@@ -49,6 +49,7 @@ __all__ = [
     "module_and_layer",
     "format_ranges",
     "read_checkpoint_scales",
+    "shard_kv_cache_config",
     "shard_kv_heads",
     "load_kv_cache_config",
 ]

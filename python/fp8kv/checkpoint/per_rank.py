@@ -1,6 +1,7 @@
 """One tensor-parallel rank's KV cache config from a checkpoint: `load_kv_cache_config` takes the
 recipe's scales (and K offsets), slices them to the rank's KV heads (`shard_kv_heads`) and converts
-them to the cache format, raising CheckpointError on any problem of the checkpoint."""
+them to the cache format, raising CheckpointError on any problem of the checkpoint.
+`shard_kv_cache_config` slices a whole model's KVCacheConfig the same way."""
 
 from __future__ import annotations
 
@@ -39,6 +40,21 @@ def shard_kv_heads(values: tuple[float, ...], tp_rank: int, tp_size: int) -> tup
     raise ValueError(
         f"num_kv_heads={heads} cannot be split across tp_size={tp_size} ranks: one must divide the other"
     )
+
+
+def shard_kv_cache_config(kv_cache: KVCacheConfig, tp_rank: int, tp_size: int) -> KVCacheConfig:
+    """The KVCacheConfig of tensor-parallel rank `tp_rank` from the whole model's: its per-head scales
+    and K offsets sliced to the rank's KV heads as `shard_kv_heads` slices them (per-tensor scales
+    unchanged)."""
+    check_int_argument("tp_size", tp_size, 1)
+    check_int_argument("tp_rank", tp_rank, 0, tp_size)
+    k, v = ([shard_kv_heads(layer, tp_rank, tp_size) for layer in scales]
+            for scales in (kv_cache.k_scales, kv_cache.v_scales))
+    offsets = None
+    if kv_cache.k_offsets is not None:
+        offsets = [shard_kv_heads(rows, tp_rank, tp_size) for rows in kv_cache.k_offsets]
+    return dataclasses.replace(kv_cache, k_scales=k, v_scales=v, k_offsets=offsets,
+                               source=f"{kv_cache.source}; tensor-parallel rank {tp_rank} of {tp_size}")
 
 
 def load_kv_cache_config(

@@ -126,6 +126,12 @@ def _check_server() -> None:
     if not is_serve_available():
         raise CommandError(f"serve needs transformers' server packages (fastapi, uvicorn, openai, pydantic): "
                            f"{INSTALL_SERVE}")
+    from ..integrations import transformers_continuous_batching as continuous_batching
+
+    try:  # before the model loads
+        continuous_batching.check_transformers()
+    except continuous_batching.UnsupportedTransformersError as e:
+        raise CommandError(str(e)) from e
     try:
         from transformers.cli.serving.model_manager import ModelManager
         from transformers.cli.serving.utils import BaseHandler, CBGenerateManager
@@ -243,27 +249,36 @@ def _batching(args: argparse.Namespace, model_dir, kv_cache, device):
     """transformers' ContinuousBatchingConfig for the options, checked before the model loads."""
     from transformers import AutoConfig, ContinuousBatchingConfig
 
+    if None not in (args.max_num_seqs, args.max_num_batched_tokens) and args.max_num_seqs > args.max_num_batched_tokens:
+        # A step holds at least one token of each of its requests (transformers would cut the count down).
+        raise CommandError(f"argument --max-num-seqs: {args.max_num_seqs} requests per step need at least as many "
+                           f"tokens per step, but --max-num-batched-tokens is {args.max_num_batched_tokens}",
+                           USAGE_ERROR)
     settings = {"max_batch_tokens": args.max_num_batched_tokens, "max_requests_per_batch": args.max_num_seqs}
     memory = args.kv_cache_memory or (CPU_KV_CACHE_GIB if device.type == "cpu" else None)
     if memory is not None:
         with blame("--model"):
             config = AutoConfig.from_pretrained(model_dir).get_text_config()
-        settings["num_blocks"] = _blocks(memory, config, kv_cache.torch_dtype(DTYPES[args.dtype]).itemsize)
+        settings["num_blocks"] = _blocks(memory, config, kv_cache.torch_dtype(DTYPES[args.dtype]))
     # transformers' CUDA graphs of the step have not been run on fp8kv's pages on a GPU yet.
     return ContinuousBatchingConfig(use_cuda_graph=False,
                                     **{name: value for name, value in settings.items() if value is not None})
 
 
-def _blocks(memory_gib: float, config, element_bytes: int) -> int:
+def _blocks(memory_gib: float, config, cache_dtype: torch.dtype) -> int:
     """transformers' num_blocks for `memory_gib` of pages: a block holds a page of K and V per layer."""
     from transformers import ContinuousBatchingConfig
 
+    from ..cache import bytes_per_token
     from ..checkpoint.config import model_head_size
 
+    head_size = model_head_size(config.to_dict())
+    if head_size is None:
+        raise CommandError("argument --model: its config gives no head size (head_dim, or hidden_size and "
+                           "num_attention_heads)", USAGE_ERROR)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     page_size = ContinuousBatchingConfig.page_size
-    head_size = model_head_size(config.to_dict())
-    block_bytes = config.num_hidden_layers * 2 * kv_heads * head_size * page_size * element_bytes
+    block_bytes = page_size * bytes_per_token(config.num_hidden_layers, kv_heads, head_size, cache_dtype)
     blocks = int(memory_gib * 2**30) // block_bytes
     if blocks == 0:
         raise CommandError(f"argument --kv-cache-memory: {memory_gib:g} GiB holds no block of {page_size} tokens "
@@ -287,12 +302,20 @@ def _one_model_manager():
         def _load_model(self, model_id_and_revision, tqdm_class=None, progress_callback=None, gguf_file=None):
             return self._model
 
+        def list_models(self, cache_dir=None):
+            """/v1/models: the one model, under the name the requests use."""
+            return [{"id": self.force_model, "object": "model", "created": 0, "owned_by": "fp8kv"}]
+
+        # transformers 5.23's /v1/models lists its download cache (and fails where there is none) through this.
+        get_gen_models = list_models
+
     return OneModel
 
 
-# GenerationConfig settings that do nothing in greedy decoding (do_sample None or False).
-_GREEDY_IGNORES = frozenset({"do_sample", "temperature", "top_p", "top_k", "min_p", "typical_p", "epsilon_cutoff",
-                             "eta_cutoff"})
+# GenerationConfig settings that do nothing in greedy decoding (do_sample None or False), and the values of
+# temperature and top_p that ask for greedy decoding in OpenAI's API: any other asks for sampling.
+_GREEDY_IGNORES = frozenset({"do_sample", "top_k", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff"})
+_GREEDY_VALUES = {"temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0)}
 
 
 class _UnappliedSettings(Exception):
@@ -314,7 +337,8 @@ def _applying_one_config(handler_class):
                 sampling = bool(requested.get("do_sample")) or bool(shared.get("do_sample"))
                 ignored = {"max_new_tokens"} | (set() if sampling else _GREEDY_IGNORES)
                 unapplied = sorted(name for name in requested.keys() | shared.keys()
-                                   if name not in ignored and requested.get(name) != shared.get(name))
+                                   if name not in ignored and requested.get(name) != shared.get(name)
+                                   and (sampling or requested.get(name) not in _GREEDY_VALUES.get(name, ())))
                 if unapplied:
                     raise _UnappliedSettings(
                         "this server decodes every request with one generation config, the model's; this request "

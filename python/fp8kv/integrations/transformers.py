@@ -87,14 +87,24 @@ def enable_continuous_batching(model, kv_cache: KVCacheConfig):
 
     Refuses, with the reason: a transformers whose continuous batching fp8kv does not support (see
     transformers_continuous_batching.SUPPORTED_VERSIONS), a model with sliding-window layers, a
-    KVCacheConfig of another layer count, a model that is not float16 or bfloat16. On CUDA, a
-    page_size fp8kv's kernels do not read is refused when the cache is made."""
+    KVCacheConfig of another layer count, a model that is not float16 or bfloat16, a head size the
+    recipe or (on CUDA) the kernels do not take. On CUDA, a page_size fp8kv's kernels do not read
+    and transformers' CUDA graphs of a step (not yet run on fp8kv's pages on a GPU) are refused when
+    the cache is made.
+
+    Tensor parallel (a model loaded with tp_plan="auto" under torchrun): each rank's attention sees
+    its own KV heads. `kv_cache` may be the whole model's (the same on every rank): its per-head
+    scales and K offsets are sliced to this rank's heads as load_kv_cache_config(tp_rank=,
+    tp_size=) slices them; or this rank's own (from that call with this rank), used as it is.
+    Per-tensor scales are used as they are. Per-head values for any other number of heads are
+    refused, naming both counts (without tensor parallelism too)."""
     if not isinstance(kv_cache, KVCacheConfig):
         raise TypeError(f"kv_cache must be a KVCacheConfig, got {type(kv_cache).__name__}")
     continuous_batching.install_hooks()
     continuous_batching.check_model(model, kv_cache)
+    rank_kv_cache = continuous_batching.rank_kv_cache(model, kv_cache)
     enable(model)
-    continuous_batching.enable_model(model, kv_cache, ATTN_IMPLEMENTATION)
+    continuous_batching.enable_model(model, rank_kv_cache, ATTN_IMPLEMENTATION)
     return model
 
 

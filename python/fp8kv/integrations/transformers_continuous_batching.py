@@ -27,6 +27,10 @@ models enabled here only:
 - `ensure_decode_fast_path_is_available` keeps the decode fast path, which transformers opens to
   flash attention on CUDA only and fp8kv's kernels run on every device.
 
+Under tensor parallelism (a model loaded with tp_plan="auto"), each rank's pages and attention hold its
+own KV heads: `rank_kv_cache` gives the rank its scales and K offsets, by the mesh and plan of
+transformers' own DistributedHelper (the one that sizes the cache).
+
 `install_hooks` checks every private name and signature they rely on, and the transformers version,
 before it installs anything: an unsupported transformers is one error, raised when a model is
 enabled, never during generation.
@@ -47,6 +51,7 @@ from .._ops import has_cuda_kernels, supported_values
 from ..attention import LayerAttentions
 from ..cache import BatchMetadata
 from ..checkpoint.config import model_head_size
+from ..checkpoint.per_rank import shard_kv_cache_config
 from ..formats import KVCacheConfig
 from ..models import pip_install
 from ..rotation import Rotation, check_head_size
@@ -90,6 +95,10 @@ _PARAMETERS = {
     "ensure_decode_fast_path_is_available": ("config", "cb_config", "user_requested"),
     "FullAttentionCacheAllocator.get_cache_for_block_table": ("self", "layer_idx"),
     "group_layers_by_attn_type": ("config",),
+    "find_num_key_value_heads": ("config",),
+    "DistributedHelper.__init__": ("self", "device_mesh", "cpu_group_timeout", "tp_plan"),
+    "DistributedHelper.extract_tp_mesh": ("device_mesh",),
+    "DistributedHelper.are_kv_heads_tp_ed": ("self",),
 }
 # The keyword arguments of a continuous-batching forward that fp8kv's attention reads.
 _STEP_ARGUMENTS = ("cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_k", "write_index", "read_index",
@@ -112,10 +121,11 @@ class _Transformers:
         try:
             from transformers import ContinuousBatchingConfig
             from transformers.generation.continuous_batching import cache, cache_allocators, continuous_api
-            from transformers.generation.continuous_batching import initialization, input_outputs
+            from transformers.generation.continuous_batching import distributed, initialization, input_outputs, utils
         except ImportError as e:
             raise _unsupported(version, f"{e}") from None
-        self.cache, self.initialization = cache, initialization
+        self.cache, self.initialization, self.utils = cache, initialization, utils
+        self.distributed_helper = distributed.DistributedHelper
         self.memory_handler = cache.PagedAttentionMemoryHandler
         self.manager = continuous_api.ContinuousBatchingManager
         self.full_attention = getattr(cache_allocators, "FULL_ATTENTION", None)
@@ -130,6 +140,10 @@ class _Transformers:
             "FullAttentionCacheAllocator.get_cache_for_block_table": getattr(
                 cache_allocators.FullAttentionCacheAllocator, "get_cache_for_block_table", None),
             "group_layers_by_attn_type": getattr(cache, "group_layers_by_attn_type", None),
+            "find_num_key_value_heads": getattr(utils, "find_num_key_value_heads", None),
+            "DistributedHelper.__init__": self.distributed_helper.__init__,
+            "DistributedHelper.extract_tp_mesh": getattr(self.distributed_helper, "extract_tp_mesh", None),
+            "DistributedHelper.are_kv_heads_tp_ed": getattr(self.distributed_helper, "are_kv_heads_tp_ed", None),
         }
         problems = [_signature_problem(name, functions[name], expected) for name, expected in _PARAMETERS.items()]
         step_arguments = getattr(input_outputs, "PagedAttentionArgs", dict).__annotations__
@@ -222,8 +236,8 @@ def check_model(model, kv_cache: KVCacheConfig) -> None:
     config = model.config.get_text_config()
     try:
         groups = _TRANSFORMERS.cache.group_layers_by_attn_type(config)
-    except ValueError as e:
-        groups = {str(e): []}
+    except ValueError as e:  # a layer type transformers' continuous batching does not know
+        raise ValueError(f"transformers' continuous batching does not run this {config.model_type} model: {e}") from e
     if set(groups) != {_TRANSFORMERS.full_attention}:
         others = {kind: layers for kind, layers in groups.items() if kind != _TRANSFORMERS.full_attention}
         described = "; ".join(f"{kind} (layers {', '.join(map(str, layers))})" if layers else kind
@@ -242,8 +256,52 @@ def check_model(model, kv_cache: KVCacheConfig) -> None:
         raise ValueError(f"the model computes in {model.dtype}; fp8kv's attention takes float16 or bfloat16 queries: "
                          "convert it with model.to(torch.bfloat16)")
     head_size = model_head_size(config.to_dict())
-    if kv_cache.rotation is Rotation.HADAMARD and head_size is not None:
+    if head_size is None:
+        raise ValueError(f"this {config.model_type} model's config gives no head size (head_dim, or hidden_size and "
+                         "num_attention_heads)")
+    if kv_cache.rotation is Rotation.HADAMARD:
         check_head_size(head_size)
+    if model.device.type == "cuda" and has_cuda_kernels() and head_size not in supported_values("cuda_head_sizes"):
+        raise ValueError(f"head size {head_size}: fp8kv's CUDA kernels attend over heads of "
+                         f"{', '.join(map(str, supported_values('cuda_head_sizes')))}")
+
+
+def tensor_parallel_rank(model) -> tuple[int, int]:
+    """(tp_rank, tp_size) of `model`'s KV heads as transformers' continuous batching splits them: by
+    the tensor-parallel mesh of a model loaded with a tp_plan, where that plan shards k_proj and
+    v_proj; (0, 1) otherwise. Asks transformers' own DistributedHelper, which makes the cache."""
+    helper = _TRANSFORMERS.distributed_helper
+    mesh = helper.extract_tp_mesh(getattr(model, "_device_mesh", None))
+    # Without a device mesh the helper is a plain object (no process group is made): only its plan is read.
+    if mesh is None or not helper(None, None, getattr(model, "tp_plan", {})).are_kv_heads_tp_ed():
+        return 0, 1
+    return mesh.get_local_rank(), mesh.size()
+
+
+def rank_kv_cache(model, kv_cache: KVCacheConfig) -> KVCacheConfig:
+    """The KVCacheConfig of this process's tensor-parallel rank of `model` (`kv_cache` itself without
+    tensor parallelism). `kv_cache` is either the whole model's, whose per-head scales and K offsets
+    (one per KV head of the model) are sliced to the rank's heads, or already the rank's (one per KV
+    head of the rank, e.g. load_kv_cache_config(..., tp_rank=, tp_size=)), used as it is; per-tensor
+    scales are either. Raises ValueError for any other head count, naming both."""
+    tp_rank, tp_size = tensor_parallel_rank(model)
+    heads = _TRANSFORMERS.utils.find_num_key_value_heads(model.config.get_text_config())
+    if heads % tp_size:
+        raise ValueError(f"the model's {heads} KV heads cannot be split across its {tp_size} tensor-parallel ranks")
+    local = heads // tp_size
+    per_layer = [*kv_cache.k_scales, *kv_cache.v_scales, *(kv_cache.k_offsets or ())]
+    counts = {len(values) for values in per_layer} - {1}  # 1: per tensor (or one head, the same on every reading)
+    if counts <= {local}:  # the rank's (the model's without tensor parallelism), or per tensor
+        return kv_cache
+    if counts <= {heads}:
+        return shard_kv_cache_config(kv_cache, tp_rank, tp_size)
+    given = f"kv_cache has per-head scales or K offsets for {' and '.join(map(str, sorted(counts)))} KV heads"
+    if tp_size == 1:
+        raise ValueError(f"{given} but the model has {heads}: give this model's KVCacheConfig (load_kv_cache_config "
+                         "of its checkpoint)")
+    raise ValueError(f"{given} but the model has {heads}, {local} on each of its {tp_size} tensor-parallel ranks: give "
+                     "the whole model's KVCacheConfig (load_kv_cache_config of its checkpoint) or this rank's "
+                     f"(load_kv_cache_config(..., tp_rank={tp_rank}, tp_size={tp_size}))")
 
 
 def enable_model(model, kv_cache: KVCacheConfig, attn_implementation: str) -> None:
@@ -283,6 +341,11 @@ def _allocating_fp8_pages(original):
 
 def _check_batching(batching, device: torch.device) -> None:
     """Refuses the settings fp8kv's pages cannot serve, before anything is allocated."""
+    if device.type == "cuda" and any(batching.cuda_graph_booleans):
+        # Padded steps are served (and tested on CPU with compiled steps), but a captured step has not been run.
+        raise ValueError(f"use_cuda_graph {batching.use_cuda_graph}: transformers' CUDA graphs of a step have not been "
+                         "run on fp8kv's pages on a GPU yet; leave use_cuda_graph unset (transformers then leaves them "
+                         "off for fp8kv's attention) or False")
     if device.type == "cuda" and has_cuda_kernels() and batching.page_size not in supported_values("cuda_block_sizes"):
         raise ValueError(f"page_size {batching.page_size}: fp8kv's CUDA kernels read pages of "
                          f"{', '.join(map(str, supported_values('cuda_block_sizes')))} tokens")
