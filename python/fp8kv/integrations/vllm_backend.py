@@ -23,12 +23,12 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from .._ops import has_cuda_kernels, supported_values
 from .vllm import BACKEND_NAME, KV_CACHE_DTYPES, SUPPORTED_VLLM, AttentionMetadata, attend, cache_format, write_kv
 
-# The NVIDIA GPUs the CUDA kernels are built for by default (TORCH_CUDA_ARCH_LIST 8.0;8.9;9.0a):
-# sm_80 code runs on every 8.x device, the sm_90a code on 9.0 (H100, H200); there is none for 10.0
-# and later. (vLLM reports AMD's MI300 as 9.4: not these.)
-def runs_on(capability: DeviceCapability) -> bool:
-    return capability.major == 8 or capability == DeviceCapability(9, 0)
 
+def runs_on(capability: DeviceCapability) -> bool:
+    """The NVIDIA GPUs the CUDA kernels are built for by default (TORCH_CUDA_ARCH_LIST 8.0;8.9;9.0a):
+    sm_80 code runs on every 8.x device, the sm_90a code on 9.0 (H100, H200); there is none for 10.0
+    and later. vLLM reports AMD's MI300 as 9.4: not one of these."""
+    return capability.major == 8 or capability == DeviceCapability(9, 0)
 
 
 class Fp8kvAttentionBackend(AttentionBackend):
