@@ -112,9 +112,16 @@ def main() -> int:
     for tp, one, tp_values, one_values in zip(tp_tokens, one_tokens, tp_logprobs, one_logprobs):
         same = next((i for i, (a, b) in enumerate(zip(tp, one)) if a != b), len(tp))
         difference = max([difference, *(abs(a - b) for a, b in zip(tp_values[:same + 1], one_values[:same + 1]))])
-    print(json.dumps({"rank": rank, "device": str(device), "kv_cache": kv_cache.source, "recipe": kv_cache.recipe,
-                      "tensor_parallel": tp_tokens, "one_process": one_tokens, "paged_cache": paged,
-                      "max_logprob_difference": difference}), flush=True)
+    report = json.dumps({"rank": rank, "device": str(device), "kv_cache": kv_cache.source, "recipe": kv_cache.recipe,
+                         "tensor_parallel": tp_tokens, "one_process": one_tokens, "paged_cache": paged,
+                         "max_logprob_difference": difference})
+    # The ranks share one stdout, where print's two writes (line, newline) could interleave: one rank at a time.
+    ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    for turn in range(ranks):
+        if turn == rank:
+            print(report, flush=True)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0 if tp_tokens == one_tokens == paged else 1
