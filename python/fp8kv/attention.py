@@ -224,11 +224,16 @@ class LayerAttentions:
         if module is None:
             module = PagedAttention(num_heads, num_kv_heads, head_size, self.kv_cache, layer_idx,
                                     softmax_scale=scaling, sliding_window=window, logits_soft_cap=cap).to(self.device)
-            for buffer in (module.k_scale, module.v_scale, module.k_offset):
-                if buffer is not None:
-                    torch._dynamo.mark_static_address(buffer)
+            mark_static(*(buffer for buffer in (module.k_scale, module.v_scale, module.k_offset) if buffer is not None))
             self._modules[layer_idx] = module
         elif (module.num_heads, module.softmax_scale, module.sliding_window, module.logits_soft_cap) != (
                 num_heads, module.softmax_scale if scaling is None else scaling, window, cap):
             raise ValueError(f"layer {layer_idx} attention parameters changed between calls")
         return module
+
+
+def mark_static(*tensors: torch.Tensor) -> None:
+    """Tells torch.compile that these tensors keep their address (updated in place, never replaced),
+    so CUDA graphs read them directly instead of copying them in at every replay."""
+    for tensor in tensors:
+        torch._dynamo.mark_static_address(tensor)

@@ -36,7 +36,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..attention import LayerAttentions
+from ..attention import LayerAttentions, mark_static
 from ..cache import BatchMetadata, CacheFullError, FixedBatch, PagedKVCache
 from ..formats import KVCacheConfig
 from . import transformers_continuous_batching as continuous_batching
@@ -186,7 +186,7 @@ class _PagedState:
                                       model_dtype=key.dtype, device=key.device, layout=self.layout)
             self.seen = torch.zeros((), dtype=torch.int64, device=key.device)
             self.attention = LayerAttentions(self.kv_cache, key.device)
-            _mark_static(self.paged.storage, self.seen)
+            mark_static(self.paged.storage, self.seen)
 
     def attend(self, layer_idx, query, key, value, new_tokens, scaling, sliding_window, softcap,
                positions) -> torch.Tensor:
@@ -251,7 +251,7 @@ class _PagedState:
             self.batch.clear()
         else:
             self.batch = FixedBatch(batch_size, blocks_per_seq, self.block_size, self.paged.device)
-            _mark_static(*self.batch.tensors)
+            mark_static(*self.batch.tensors)
         self.seen.zero_()
         self.batch_started = True
 
@@ -260,13 +260,6 @@ class _PagedState:
         self.host_step = None
         if self.seen is not None:
             self.seen.zero_()
-
-
-def _mark_static(*tensors: torch.Tensor) -> None:
-    """Tells torch.compile that these tensors keep their address (updated in place, never replaced),
-    so CUDA graphs read them directly instead of copying them in at every replay."""
-    for tensor in tensors:
-        torch._dynamo.mark_static_address(tensor)
 
 
 class _PagedLayer(CacheLayerMixin):
