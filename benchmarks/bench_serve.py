@@ -5,7 +5,9 @@ pages and transformers' own paged attention, all at the same KV-cache memory bud
 Systems:
 
   fp8kv e4m3          enable_continuous_batching with an e4m3 KVCacheConfig: the rotated recipe
-                      (fp8kv's default for FP8), unit scales (speed does not depend on them)
+                      (fp8kv's default for FP8), unit scales (speed does not depend on them); on
+                      CUDA with transformers' CUDA graphs and asynchronous batching (--fp8kv-eager:
+                      without either)
   fp8kv bf16          the same with a bf16 (unquantized) KVCacheConfig
   transformers ...    transformers' own paged cache and attention in every form that runs here:
                       SDPA, SDPA with CUDA graphs (CUDA only), flash attention 2 and 3 and the
@@ -30,14 +32,14 @@ request is added with its own). Online: `transformers serve --continuous-batchin
 in this process with the model already loaded, and `--clients` concurrent streaming clients
 (openai's AsyncOpenAI, /v1/completions), each sending its next request when its last one finished.
 Prompts go over HTTP as text that a word-level tokenizer (one word per token id) maps back to the
-same ids, so both modes serve the same tokens. The clients, the server and transformers' generation
-thread share this process (and its interpreter lock). fp8kv's pages run without CUDA graphs: its
-continuous batching refuses them.
+same ids, so both modes serve the same tokens. The server and transformers' generation thread share
+this process, as in `transformers serve`; the clients run in another (their interpreter lock is not
+the server's).
 
 Metrics, wall clock (time.perf_counter) on the host: output tokens/s = tokens generated / time from
 the first submission to the last token; TTFT = first token - submission, per request; ITL = the gaps
-between a request's consecutive tokens (offline: as transformers records them; online: as the
-client receives them); p50 and p99 over all requests (TTFT) and gaps (ITL); peak GPU memory
+between a request's consecutive tokens (offline: as transformers records them, across a preemption
+too, see keep_timestamps_across_soft_resets; online: as the client receives them); p50 and p99 over all requests (TTFT) and gaps (ITL); peak GPU memory
 (torch's max allocated, model included) over the measured stream; the cache's blocks and bytes as
 transformers allocated them (offline rows; the server is given the same configuration). Warm-up: before each measured stream, WARMUP_REQUESTS requests of the
 same distribution (another seed, at most WARMUP_OUTPUT tokens each) through the same manager or
@@ -46,8 +48,11 @@ server.
 Targets (PASS/MISS), per model and mode: memory-limited, fp8kv e4m3 output tokens/s >= 1.6x fp8kv
 bf16's; not memory-limited, >= 1.0x; in both, fp8kv bf16 >= 1.0x transformers' best.
 
-Models: `--model llama3-8b` (Llama-3-8B geometry, random bf16 weights, CUDA only) and `--model
-smollm2` (SmolLM2-135M's real weights, from fp8kv.models; its rows say why when not installed).
+Models and streams (PRESETS): `--model llama3-8b` (Llama-3-8B geometry, random bf16 weights, CUDA
+only; prompts 256-8192, outputs 64-512: prefill is much of the work), `--model llama3-8b-decode`
+(the same model; prompts 1024-6144, outputs 1024-3072: decoding, which the cache limits, is most of
+it; fp8kv's systems only, transformers' own would take hours) and `--model smollm2` (SmolLM2-135M's
+real weights, from fp8kv.models; its rows say why when not installed).
 `--smoke` serves a tiny random model a small stream (the CPU when there is no GPU), in under a minute.
 
     python benchmarks/bench_serve.py [--smoke] [--model NAME ...] [--kv-cache-memory GIB] [--json PATH]
@@ -57,8 +62,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
+import multiprocessing
 import pathlib
 import re
 import socket
@@ -103,12 +110,16 @@ class Preset:
     output_tokens: tuple[int, int]
     kv_cache_gib: float  # the memory-limited scenario's budget
     clients: int
+    transformers: bool = True  # whether transformers' own systems serve it too (they take ~10x longer)
 
 
 # Small streams (every system serves each one twice, offline and online, per scenario); every request at once.
 PRESETS = {
     # Mean context ~4.4k tokens: 16 GiB of bf16 pages hold 131k tokens, ~29 such requests (FP8 pages: all 40).
     "llama3-8b": Preset("Llama-3-8B", 40, (256, 8192), (64, 512), 16.0, 40),
+    # Long answers (mean context ~4.6k): decoding, which the cache limits, is most of the work; fp8kv's systems only.
+    # 16 GiB of bf16 pages hold ~28 such requests at once, FP8 pages ~57.
+    "llama3-8b-decode": Preset("Llama-3-8B", 96, (1024, 6144), (1024, 3072), 16.0, 96, transformers=False),
     # SmolLM2 holds 8192 positions; 1 GiB of its bf16 pages holds 46k tokens, ~10 such requests (FP8 pages: ~20).
     "smollm2": Preset(SMOLLM2, 24, (256, 7680), (64, 512), 1.0, 24),
 }
@@ -126,10 +137,15 @@ class System:
     name: str
     kv_format: str | None  # fp8kv's page format (a KVCacheDtype name), None for transformers' own cache
     attention: str  # the attention implementation transformers' path runs (fp8kv's systems: fp8kv's)
-    cuda_graphs: bool | None = None  # None: transformers decides (off where an attention mask is needed)
+    # None: transformers decides (both off where its attention needs a mask, which fp8kv's does not)
+    cuda_graphs: bool | None = None
+    async_batching: bool | None = None
 
 
-FP8KV_SYSTEMS = (System(FP8, "float8_e4m3fn", "fp8kv"), System(BF16, "auto", "fp8kv"))
+def fp8kv_systems(device: torch.device, eager: bool) -> list[System]:
+    """fp8kv's FP8 and bf16 pages; on CUDA with CUDA graphs and asynchronous batching unless `eager`."""
+    fast = None if device.type != "cuda" or eager else True
+    return [System(FP8, "float8_e4m3fn", "fp8kv", fast, fast), System(BF16, "auto", "fp8kv", fast, fast)]
 
 
 def transformers_systems(device: torch.device) -> list[System]:
@@ -193,7 +209,7 @@ def batching_config(model, system: System, budget_bytes: int, page_size: int) ->
     """The budget as whole blocks (page_size tokens of every layer) of the system's pages."""
     num_blocks = budget_bytes // (page_bytes_per_token(model, system.kv_format) * page_size)
     return ContinuousBatchingConfig(page_size=page_size, num_blocks=num_blocks, auto_switch_to_flash=False,
-                                    use_cuda_graph=system.cuda_graphs)
+                                    use_cuda_graph=system.cuda_graphs, use_async_batching=system.async_batching)
 
 
 def generation_config() -> GenerationConfig:
@@ -235,6 +251,25 @@ def summarize(requests: list[Request], starts: list[float], token_times: list[li
 # ----------------------------------------------------------------------------- offline
 
 
+def keep_timestamps_across_soft_resets() -> None:
+    """Where the cache runs out, transformers preempts a request: it frees its pages and requeues it as a
+    new request whose prompt holds the tokens generated so far, with a new submission time and no
+    timestamps, which would lose the first tokens' times. The requeued request keeps the original's."""
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    requeue = RequestState.create_equivalent_initial_request
+    if getattr(requeue, "keeps_timestamps", False):
+        return
+
+    def create_equivalent_initial_request(self):
+        requeued = requeue(self)
+        requeued.created_time, requeued._timestamps = self.created_time, self._timestamps[:]
+        return requeued
+
+    create_equivalent_initial_request.keeps_timestamps = True
+    RequestState.create_equivalent_initial_request = create_equivalent_initial_request
+
+
 def serve_offline(manager, requests: list[Request]) -> Served:
     """Submits every request at once, waits for all; (submission times, token times per request, end)."""
     ids = [manager.add_request(r.prompt, max_new_tokens=r.output_tokens, record_timestamps=True, eos_token_id=NO_EOS)
@@ -259,6 +294,7 @@ def measure_offline(model, system: System, budget_bytes: int, page_size: int, re
                     warmup: list[Request], device: torch.device) -> dict:
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
+    keep_timestamps_across_soft_resets()
     use_system(model, system)
     config = batching_config(model, system, budget_bytes, page_size)
     served = requests + warmup
@@ -272,7 +308,8 @@ def measure_offline(model, system: System, budget_bytes: int, page_size: int, re
         info["peak_gib"] = peak_gib(device)
         token_bytes = page_bytes_per_token(model, system.kv_format)
         info.update(cache_facts(manager.batch_processor.cache, page_size, token_bytes))
-        info["cuda_graphs"] = list(manager.continuous_batching_config.cuda_graph_booleans)
+        resolved = manager.continuous_batching_config
+        info["cuda_graphs"], info["async_batching"] = list(resolved.cuda_graph_booleans), resolved.use_async_batching
     return info
 
 
@@ -379,6 +416,16 @@ async def stream_requests(url: str, requests: list[Request], clients: int) -> Se
     return starts, token_times, max(times[-1] for times in token_times if times)
 
 
+def client_process(url: str, requests: list[Request], clients: int) -> Served:
+    return asyncio.run(stream_requests(url, requests, clients))
+
+
+def stream_from_another_process(url: str, requests: list[Request], clients: int) -> Served:
+    """stream_requests in a new process (time.perf_counter is the system's monotonic clock, the same in both)."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(client_process, url, requests, clients).result()
+
+
 def measure_online(model, system: System, budget_bytes: int, page_size: int, requests: list[Request],
                    warmup: list[Request], clients: int, device: torch.device) -> dict:
     use_system(model, system)
@@ -386,9 +433,9 @@ def measure_online(model, system: System, budget_bytes: int, page_size: int, req
     saved, model.generation_config = model.generation_config, generation_config()  # the server's defaults
     try:
         with Server(model, word_tokenizer(model.config.vocab_size), config) as server:
-            asyncio.run(stream_requests(server.url, warmup, clients))
+            stream_from_another_process(server.url, warmup, clients)
             reset_peak_memory(device)
-            info = summarize(requests, *asyncio.run(stream_requests(server.url, requests, clients)))
+            info = summarize(requests, *stream_from_another_process(server.url, requests, clients))
             info["peak_gib"] = peak_gib(device)
     finally:
         model.generation_config = saved
@@ -438,10 +485,13 @@ def run_model(name: str, preset: Preset, args: argparse.Namespace, device: torch
               "output_tokens": list(preset.output_tokens), "output_lengths": [r.output_tokens for r in requests],
               "prompt_lengths": [len(r.prompt) for r in requests], "bf16_stream_gib": whole_stream / GIB,
               "clients": min(preset.clients, preset.requests)}
-    offline_systems = [*FP8KV_SYSTEMS, *transformers_systems(device)]
+    offline_systems = fp8kv_systems(device, args.fp8kv_eager) + (transformers_systems(device) if preset.transformers
+                                                                  else [])
     online_reason = "disabled by --no-online" if args.no_online else online_unavailable()
     rows = []
     for scenario, budget in ((MEMORY_LIMITED, limited), (NOT_LIMITED, whole_stream)):
+        if scenario not in args.scenario:
+            continue
         print(f"{name}, {scenario}: {budget / GIB:.3g} GiB of cache pages", flush=True)
         base = {"model": name, "scenario": scenario, "kv_cache_gib": budget / GIB}
         offline = [base | {"mode": OFFLINE, "system": system.name} | measured(
@@ -548,13 +598,19 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--page-size", type=positive(int), default=PAGE_SIZE, help="tokens per cache page")
     parser.add_argument("--seed", type=int, default=0, help="the stream's seed")
     parser.add_argument("--no-online", action="store_true", help="offline only")
+    parser.add_argument("--scenario", action="append", choices=(MEMORY_LIMITED, NOT_LIMITED),
+                        help="a scenario to run (repeatable; default: both)")
+    parser.add_argument("--fp8kv-eager", action="store_true",
+                        help="fp8kv's systems without CUDA graphs and asynchronous batching")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="write all results as JSON")
     args = parser.parse_args(argv)
     if args.smoke and args.model:
         parser.error("argument --model: not with --smoke, which serves its own tiny model")
-    if not args.smoke and args.device != "cuda" and "llama3-8b" in (args.model or PRESETS):
-        parser.error("argument --device: llama3-8b needs a CUDA GPU; on the CPU: --smoke, or --model smollm2")
+    llama = [name for name in args.model or PRESETS if PRESETS[name].geometry != SMOLLM2]
+    if not args.smoke and args.device != "cuda" and llama:
+        parser.error(f"argument --device: {llama[0]} needs a CUDA GPU; on the CPU: --smoke, or --model smollm2")
+    args.scenario = args.scenario or [MEMORY_LIMITED, NOT_LIMITED]
     args.png = None  # common.write_outputs: no plot for this benchmark
     return args
 

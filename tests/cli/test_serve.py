@@ -7,6 +7,7 @@ SIGTERM stop it with the documented status, after the answer in flight, and rele
 arguments are one line on stderr, exit status 2, no traceback. The cache size expected from --kv-cache-memory is
 computed here from the model's geometry."""
 
+import argparse
 import concurrent.futures
 import json
 import os
@@ -388,3 +389,16 @@ def test_the_docs_client_example_runs(server, reference, capsys):
          .replace('model="smollm2"', f"model={server.name!r}").replace("max_tokens=64", f"max_tokens={MAX_TOKENS}"), {})
     expected = [reference(prompt)[0] for prompt in ("What is the capital of France?", "Hi")]
     assert capsys.readouterr().out == f"{expected[0]}\n{expected[1]}"
+
+
+@pytest.mark.parametrize("device, enforce_eager, fast", [("cuda", False, True), ("cuda", True, False),
+                                                         ("cpu", False, False)])
+def test_cuda_steps_run_in_graphs_and_asynchronously_unless_eager_is_enforced(checkpoint, device, enforce_eager, fast):
+    # transformers would leave both off for fp8kv's attention (it takes every attention but flash
+    # attention to need a mask); on the CPU there are no CUDA graphs.
+    from fp8kv.commands import serve
+
+    args = argparse.Namespace(max_num_seqs=None, max_num_batched_tokens=None, kv_cache_memory=KV_CACHE_GIB,
+                              dtype="bfloat16", enforce_eager=enforce_eager)
+    config = serve._batching(args, checkpoint, load_kv_cache_config(checkpoint, "fp8"), torch.device(device))
+    assert (config.use_cuda_graph, config.use_async_batching) == (fast, fast)

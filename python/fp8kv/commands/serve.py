@@ -64,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests per continuous-batching step (default: transformers', 1024)")
     parser.add_argument("--device", type=arguments.device, help=arguments.DEVICE_HELP)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="model dtype (default bfloat16)")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="on CUDA, run the steps without transformers' CUDA graphs and asynchronous batching "
+                        "(default: with both)")
 
 
 def _port(text: str) -> int:
@@ -260,8 +263,9 @@ def _batching(args: argparse.Namespace, model_dir, kv_cache, device):
         with blame("--model"):
             config = AutoConfig.from_pretrained(model_dir).get_text_config()
         settings["num_blocks"] = _blocks(memory, config, kv_cache.torch_dtype(DTYPES[args.dtype]))
-    # transformers' CUDA graphs of the step have not been run on fp8kv's pages on a GPU yet.
-    return ContinuousBatchingConfig(use_cuda_graph=False,
+    # transformers leaves both off for an attention other than flash attention, as if it needed a mask.
+    fast = device.type == "cuda" and not args.enforce_eager
+    return ContinuousBatchingConfig(use_cuda_graph=fast, use_async_batching=fast,
                                     **{name: value for name, value in settings.items() if value is not None})
 
 

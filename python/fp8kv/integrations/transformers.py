@@ -89,8 +89,9 @@ def enable_continuous_batching(model, kv_cache: KVCacheConfig):
     transformers_continuous_batching.SUPPORTED_VERSIONS), a model with sliding-window layers, a
     KVCacheConfig of another layer count, a model that is not float16 or bfloat16, a head size the
     recipe or (on CUDA) the kernels do not take. On CUDA, a page_size fp8kv's kernels do not read
-    and transformers' CUDA graphs of a step (not yet run on fp8kv's pages on a GPU) are refused when
-    the cache is made.
+    is refused when the cache is made. transformers' CUDA graphs of the steps run on fp8kv's pages;
+    transformers leaves them off unless asked (ContinuousBatchingConfig(use_cuda_graph=True,
+    use_async_batching=True) turns them and its asynchronous batching on).
 
     Tensor parallel (a model loaded with tp_plan="auto" under torchrun): each rank's attention sees
     its own KV heads. `kv_cache` may be the whole model's (the same on every rank): its per-head

@@ -341,11 +341,6 @@ def _allocating_fp8_pages(original):
 
 def _check_batching(batching, device: torch.device) -> None:
     """Refuses the settings fp8kv's pages cannot serve, before anything is allocated."""
-    if device.type == "cuda" and any(batching.cuda_graph_booleans):
-        # Padded steps are served (and tested on CPU with compiled steps), but a captured step has not been run.
-        raise ValueError(f"use_cuda_graph {batching.use_cuda_graph}: transformers' CUDA graphs of a step have not been "
-                         "run on fp8kv's pages on a GPU yet; leave use_cuda_graph unset (transformers then leaves them "
-                         "off for fp8kv's attention) or False")
     if device.type == "cuda" and has_cuda_kernels() and batching.page_size not in supported_values("cuda_block_sizes"):
         raise ValueError(f"page_size {batching.page_size}: fp8kv's CUDA kernels read pages of "
                          f"{', '.join(map(str, supported_values('cuda_block_sizes')))} tokens")
@@ -418,7 +413,7 @@ class _CacheState:
         self.kv_cache, self.padded = kv_cache, padded
         self.layers = LayerAttentions(kv_cache, device)
         self._caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._step: tuple[weakref.ref, BatchMetadata] | None = None
+        self._step: tuple[weakref.ref, bool, BatchMetadata] | None = None
 
     def caches(self, allocator, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's key and value caches as the ops take them: [blocks, page_size, kv_heads,
@@ -434,13 +429,21 @@ class _CacheState:
     def step(self, allocator, kwargs: dict) -> BatchMetadata:
         # A step's index tensors are views made for that step, shared by its layers: the same object is the
         # same step (a weak reference, so a later step's view at a recycled address is not mistaken for it).
+        # transformers runs a step once before capturing it in a CUDA graph, on the same views: the capture
+        # derives the indices again, so that the graph holds that work and replays it on each step's values.
         seq_ends = kwargs["cu_seq_lens_k"][allocator.layer_type]
-        if self._step is None or self._step[0]() is not seq_ends:
-            self._step = weakref.ref(seq_ends), _step_metadata(allocator, seq_ends, kwargs, self.padded)
-        return self._step[1]
+        capturing = _capturing(seq_ends)
+        if self._step is None or self._step[0]() is not seq_ends or self._step[1] != capturing:
+            self._step = weakref.ref(seq_ends), capturing, _step_metadata(allocator, seq_ends, kwargs, self.padded)
+        return self._step[2]
 
 
 _CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _capturing(tensor: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of `tensor`'s device."""
+    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def serves(cache) -> bool:
