@@ -485,7 +485,8 @@ def run_model(name: str, preset: Preset, args: argparse.Namespace, device: torch
               "output_tokens": list(preset.output_tokens), "output_lengths": [r.output_tokens for r in requests],
               "prompt_lengths": [len(r.prompt) for r in requests], "bf16_stream_gib": whole_stream / GIB,
               "clients": min(preset.clients, preset.requests)}
-    offline_systems = fp8kv_systems(device, args.fp8kv_eager) + (transformers_systems(device) if preset.transformers
+    with_transformers = preset.transformers and not args.no_transformers
+    offline_systems = fp8kv_systems(device, args.fp8kv_eager) + (transformers_systems(device) if with_transformers
                                                                   else [])
     online_reason = "disabled by --no-online" if args.no_online else online_unavailable()
     rows = []
@@ -600,6 +601,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-online", action="store_true", help="offline only")
     parser.add_argument("--scenario", action="append", choices=(MEMORY_LIMITED, NOT_LIMITED),
                         help="a scenario to run (repeatable; default: both)")
+    parser.add_argument("--no-transformers", action="store_true", help="fp8kv's systems only")
     parser.add_argument("--fp8kv-eager", action="store_true",
                         help="fp8kv's systems without CUDA graphs and asynchronous batching")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
