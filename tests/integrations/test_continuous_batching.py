@@ -38,6 +38,9 @@ from fp8kv.rotation import Rotation  # noqa: E402
 
 VOCAB, NEW_TOKENS, PAGE = 64, 12, 16
 NEAR_TIE = 0.125  # two bf16 units of a logit between 4 and 8: a gap that a rounding or two can close
+# On FP8 pages a rounding of a new K or V element in bf16 may also move its FP8 code by one (12.5% of the element
+# in e4m3, 25% in e5m2), which moved a logit of these tiny models by up to 0.42 on the H100.
+NEAR_TIE_FP8 = 0.5
 # Every format and recipe, with scales (and K offsets) calibrated per KV head on the model
 # (fp8kv.evaluate's names: FORMAT[-RECIPE]-head).
 CACHES = ["auto", "e4m3-head", "e4m3-rotated-head", "e4m3-centred-head", "e5m2-head", "e5m2-centred-head",
@@ -514,7 +517,8 @@ def test_generate_batch_on_each_device(device, cache_name, page, cuda_graphs, st
     # On the GPU a bf16 matmul's rounding may depend on how many rows it multiplies, and continuous
     # batching stacks requests (and pads them under CUDA graphs) where the reference runs one at a
     # time: a logit may move by a rounding or two, which flips a greedy token only where the best two
-    # logits of the reference are that close (bf16 logits tie often: their unit is 1/16 at 4 to 8). So
+    # logits of the reference are that close (bf16 logits tie often: their unit is 1/16 at 4 to 8; on FP8
+    # pages the roundings of the cache add, see NEAR_TIE_FP8). So
     # each request's tokens must equal the reference's up to its first such near tie, and all after it
     # on most requests; the log-probabilities are not compared. Under CUDA graphs transformers pads
     # the steps (query rows past the last request, empty decode requests) and runs them
@@ -528,11 +532,11 @@ def test_generate_batch_on_each_device(device, cache_name, page, cuda_graphs, st
     expected = [reference(model, config, prompt, page) for prompt in prompts]
     outputs = generate_batch(model, prompts, page_size=page, num_blocks=64 * 16 // page, use_cuda_graph=cuda_graphs,
                              use_async_batching=cuda_graphs, return_logprobs=False)
-    whole = 0
+    whole, near_tie = 0, NEAR_TIE_FP8 if config.dtype.is_fp8 else NEAR_TIE
     for (tokens, _, margins), output in zip(expected, outputs):
         differ = [i for i, (got, want) in enumerate(zip(output.generated_tokens, tokens)) if got != want]
         assert len(output.generated_tokens) == NEW_TOKENS
-        assert not differ or margins[differ[0]] <= NEAR_TIE, (output.request_id, differ, margins)
+        assert not differ or margins[differ[0]] <= near_tie, (output.request_id, differ, margins)
         whole += not differ
     assert whole >= len(prompts) - 2, f"{whole} of {len(prompts)} requests as the reference"
     assert steps.chunked_prefills() > 0 and any(steps.decode)
