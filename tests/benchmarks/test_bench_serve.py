@@ -164,3 +164,20 @@ def test_bad_arguments_are_refused_naming_them(argv, named, capsys):
 def test_a_stream_the_model_or_budget_cannot_measure_is_refused(argv, named):
     with pytest.raises(SystemExit, match=named):
         serve.main(["--smoke", "--device", "cpu", *argv])
+
+
+def test_a_preempted_request_keeps_its_submission_time_and_token_times(monkeypatch):
+    # transformers requeues a preempted request as a new one (its tokens so far in the prompt); the stream's
+    # latencies need the original's submission time and the times of the tokens it had generated.
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    monkeypatch.setattr(RequestState, "create_equivalent_initial_request", RequestState.create_equivalent_initial_request)
+    serve.keep_timestamps_across_soft_resets()
+    wrapped = RequestState.create_equivalent_initial_request
+    serve.keep_timestamps_across_soft_resets()  # once: a second call wraps nothing more
+    assert RequestState.create_equivalent_initial_request is wrapped
+    state = RequestState(request_id="r", initial_tokens=[1, 2, 3], max_new_tokens=5, record_timestamps=True)
+    state.created_time, state._timestamps, state.generated_tokens = 10.0, [11.0, 12.5], [4, 5]
+    requeued = state.create_equivalent_initial_request()
+    assert requeued.initial_tokens == [1, 2, 3, 4, 5] and requeued.max_new_tokens == 3
+    assert (requeued.created_time, requeued.timestamps) == (10.0, [11.0, 12.5])
