@@ -39,11 +39,12 @@ the server's).
 Metrics, wall clock (time.perf_counter) on the host: output tokens/s = tokens generated / time from
 the first submission to the last token; TTFT = first token - submission, per request; ITL = the gaps
 between a request's consecutive tokens (offline: as transformers records them, across a preemption
-too, see keep_timestamps_across_soft_resets; online: as the client receives them); p50 and p99 over all requests (TTFT) and gaps (ITL); peak GPU memory
-(torch's max allocated, model included) over the measured stream; the cache's blocks and bytes as
-transformers allocated them (offline rows; the server is given the same configuration). Warm-up: before each measured stream, WARMUP_REQUESTS requests of the
-same distribution (another seed, at most WARMUP_OUTPUT tokens each) through the same manager or
-server.
+too, see keep_timestamps_across_soft_resets; online: as the client receives them); p50 and p99 over
+all requests (TTFT) and gaps (ITL); peak GPU memory (torch's max allocated, model included) over the
+measured stream; the cache's blocks and bytes as transformers allocated them (offline rows; the
+server is given the same configuration). Warm-up: before each measured stream, WARMUP_REQUESTS
+requests of the same distribution (another seed, at most WARMUP_OUTPUT tokens each) through the same
+manager or server.
 
 Targets (PASS/MISS), per model and mode: memory-limited, fp8kv e4m3 output tokens/s >= 1.6x fp8kv
 bf16's; not memory-limited, >= 1.0x; in both, fp8kv bf16 >= 1.0x transformers' best.

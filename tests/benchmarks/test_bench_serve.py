@@ -171,7 +171,8 @@ def test_a_preempted_request_keeps_its_submission_time_and_token_times(monkeypat
     # latencies need the original's submission time and the times of the tokens it had generated.
     from transformers.generation.continuous_batching.requests import RequestState
 
-    monkeypatch.setattr(RequestState, "create_equivalent_initial_request", RequestState.create_equivalent_initial_request)
+    requeue = RequestState.create_equivalent_initial_request
+    monkeypatch.setattr(RequestState, "create_equivalent_initial_request", requeue)  # restored after the test
     serve.keep_timestamps_across_soft_resets()
     wrapped = RequestState.create_equivalent_initial_request
     serve.keep_timestamps_across_soft_resets()  # once: a second call wraps nothing more
