@@ -65,6 +65,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import multiprocessing
 import pathlib
@@ -465,8 +466,11 @@ def transformers_best(rows: list[dict]) -> str | None:
     return max(timed, key=lambda r: r["output_tokens_per_s"])["system"] if timed else None
 
 
-def run_model(name: str, preset: Preset, args: argparse.Namespace, device: torch.device) -> tuple[list[dict], dict]:
-    """Every scenario, system and mode of one model: (rows, the stream's description)."""
+def run_model(name: str, preset: Preset, args: argparse.Namespace, device: torch.device, streams: dict,
+              rows: list[dict], saved) -> None:
+    """Every scenario, system and mode of one model: its stream's description into `streams`, each row
+    appended to `rows` as it is measured, and saved() called after each (a run stopped midway keeps
+    what it measured)."""
     model = build_model(preset.geometry, device)
     positions = model.config.max_position_embeddings
     longest = preset.prompt_tokens[1] + preset.output_tokens[1]
@@ -482,7 +486,7 @@ def run_model(name: str, preset: Preset, args: argparse.Namespace, device: torch
     if limited >= whole_stream:
         raise SystemExit(f"--kv-cache-memory {preset.kv_cache_gib:g} GiB holds {name}'s whole stream in bf16 pages "
                          f"({whole_stream / GIB:.3g} GiB): nothing limits the batch; give less, or more requests")
-    stream = {"requests": preset.requests, "prompt_tokens": list(preset.prompt_tokens),
+    streams[name] = {"requests": preset.requests, "prompt_tokens": list(preset.prompt_tokens),
               "output_tokens": list(preset.output_tokens), "output_lengths": [r.output_tokens for r in requests],
               "prompt_lengths": [len(r.prompt) for r in requests], "bf16_stream_gib": whole_stream / GIB,
               "clients": min(preset.clients, preset.requests)}
@@ -490,17 +494,21 @@ def run_model(name: str, preset: Preset, args: argparse.Namespace, device: torch
     offline_systems = fp8kv_systems(device, args.fp8kv_eager) + (transformers_systems(device) if with_transformers
                                                                   else [])
     online_reason = "disabled by --no-online" if args.no_online else online_unavailable()
-    rows = []
+
+    def add(row: dict) -> dict:
+        rows.append(row)
+        saved()
+        return row
+
     for scenario, budget in ((MEMORY_LIMITED, limited), (NOT_LIMITED, whole_stream)):
         if scenario not in args.scenario:
             continue
         print(f"{name}, {scenario}: {budget / GIB:.3g} GiB of cache pages", flush=True)
         base = {"model": name, "scenario": scenario, "kv_cache_gib": budget / GIB}
-        offline = [base | {"mode": OFFLINE, "system": system.name} | measured(
+        offline = [add(base | {"mode": OFFLINE, "system": system.name} | measured(
             f"{OFFLINE} / {system.name}",
-            lambda system=system: measure_offline(model, system, budget, args.page_size, requests, warmup, device))
+            lambda system=system: measure_offline(model, system, budget, args.page_size, requests, warmup, device)))
             for system in offline_systems]
-        rows += offline
         best = transformers_best(offline)
         for system in (s for s in offline_systems if s.name in (FP8, BF16, best)):
             if online_reason is None:
@@ -508,8 +516,7 @@ def run_model(name: str, preset: Preset, args: argparse.Namespace, device: torch
                     model, system, budget, args.page_size, requests, warmup, preset.clients, device))
             else:
                 info = {"skipped": online_reason}
-            rows.append(base | {"mode": ONLINE, "system": system.name} | info)
-    return rows, stream
+            add(base | {"mode": ONLINE, "system": system.name} | info)
 
 
 def comparisons(rows: list[dict]) -> list[dict]:
@@ -628,6 +635,17 @@ def presets(args: argparse.Namespace) -> dict[str, Preset]:
     return {name: dataclasses.replace(preset, **overrides) for name, preset in chosen.items()}
 
 
+def payload_of(args: argparse.Namespace, device: torch.device, streams: dict, rows: list[dict]) -> dict:
+    compared = comparisons([row for row in rows if row["mode"] != "-"])
+    header = run_header("serve", device) if device.type == "cuda" else {
+        "benchmark": "serve", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": {"name": "cpu", "torch": torch.__version__}}
+    return header | {"transformers": transformers.__version__, "page_size": args.page_size, "seed": args.seed,
+                     "warmup_requests": WARMUP_REQUESTS, "warmup_output_tokens": WARMUP_OUTPUT,
+                     "streams": streams, "rows": rows, "comparisons": compared,
+                     "targets": {name: ok for c in compared for name, ok in c["targets"].items()}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_arguments(argv)
     device = torch.device(args.device)
@@ -635,28 +653,26 @@ def main(argv: list[str] | None = None) -> dict:
           f"{WARMUP_REQUESTS} warm-up requests (<= {WARMUP_OUTPUT} output tokens) before each measured stream; "
           "times: host wall clock", flush=True)
     rows, streams = [], {}
+
+    def saved() -> None:
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(payload_of(args, device, streams, rows), indent=1) + "\n")
+
     for name, preset in presets(args).items():
         try:
-            model_rows, streams[name] = run_model(name, preset, args, device)
+            run_model(name, preset, args, device, streams, rows, saved)
         except SystemExit:
             raise
         except Exception as exc:  # e.g. SmolLM2 not installed: its row says why
-            model_rows = [{"model": name, "scenario": "-", "kv_cache_gib": None, "mode": "-", "system": "-",
-                           "error": f"model unavailable: {error_text(exc)}"}]
-            print(f"{name}: {model_rows[0]['error']}", flush=True)
-        rows += model_rows
+            rows.append({"model": name, "scenario": "-", "kv_cache_gib": None, "mode": "-", "system": "-",
+                         "error": f"model unavailable: {error_text(exc)}"})
+            print(f"{name}: {rows[-1]['error']}", flush=True)
         release_memory()
-    compared = comparisons([row for row in rows if row["mode"] != "-"])
+    payload = payload_of(args, device, streams, rows)
     print(results_table(rows))
     print()
-    print(comparisons_table(compared))
-    header = run_header("serve", device) if device.type == "cuda" else {
-        "benchmark": "serve", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "device": {"name": "cpu", "torch": torch.__version__}}
-    payload = header | {"transformers": transformers.__version__, "page_size": args.page_size, "seed": args.seed,
-                        "warmup_requests": WARMUP_REQUESTS, "warmup_output_tokens": WARMUP_OUTPUT,
-                        "streams": streams, "rows": rows, "comparisons": compared,
-                        "targets": {name: ok for c in compared for name, ok in c["targets"].items()}}
+    print(comparisons_table(payload["comparisons"]))
     write_outputs(payload, args)
     return payload
 

@@ -182,3 +182,22 @@ def test_a_preempted_request_keeps_its_submission_time_and_token_times(monkeypat
     requeued = state.create_equivalent_initial_request()
     assert requeued.initial_tokens == [1, 2, 3, 4, 5] and requeued.max_new_tokens == 3
     assert (requeued.created_time, requeued.timestamps) == (10.0, [11.0, 12.5])
+
+
+def test_a_run_stopped_midway_has_saved_the_rows_it_measured(tmp_path, monkeypatch):
+    class Stopped(BaseException):  # as a time limit's signal would: not an error of one row
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stopped
+
+    monkeypatch.setattr(serve, "measure_online", stop)
+    path = tmp_path / "serve.json"
+    with pytest.raises(Stopped):
+        serve.main(["--smoke", "--device", "cpu", "--scenario", serve.MEMORY_LIMITED, "--no-transformers",
+                    "--json", str(path)])
+    saved = json.loads(path.read_text())
+    assert [(row["mode"], row["system"]) for row in saved["rows"]] == [(serve.OFFLINE, serve.FP8),
+                                                                      (serve.OFFLINE, serve.BF16)]
+    for row in saved["rows"]:
+        check_served(row, saved["streams"]["tiny"])
