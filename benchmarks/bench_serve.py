@@ -28,12 +28,14 @@ from `--prompt-tokens` and `--output-tokens`, prompt tokens uniformly from the v
 
 Offline: every request submitted at once to transformers' continuous-batching manager, in the
 context manager `generate_batch` runs (whose loop takes one max_new_tokens for all requests, so each
-request is added with its own). Online: `transformers serve --continuous-batching`'s server, started
-in this process with the model already loaded, and `--clients` concurrent streaming clients
-(openai's AsyncOpenAI, /v1/completions), each sending its next request when its last one finished.
+request is added with its own). Online: `python -m fp8kv serve`'s server (transformers' own
+OpenAI-compatible server with continuous batching, for one model), started in this process with the
+model already loaded with the system's attention and pages (transformers' own systems too), and
+`--clients` concurrent streaming clients (openai's AsyncOpenAI, /v1/completions), each sending its
+next request when its last one finished.
 Prompts go over HTTP as text that a word-level tokenizer (one word per token id) maps back to the
 same ids, so both modes serve the same tokens. The server and transformers' generation thread share
-this process, as in `transformers serve`; the clients run in another (their interpreter lock is not
+this process, as in `python -m fp8kv serve`; the clients run in another (their interpreter lock is not
 the server's).
 
 Metrics, wall clock (time.perf_counter) on the host: output tokens/s = tokens generated / time from
@@ -72,6 +74,7 @@ import pathlib
 import re
 import socket
 import sys
+import threading
 import time
 
 import torch
@@ -342,38 +345,42 @@ def word_tokenizer(vocab_size: int):
 
 
 class Server:
-    """`transformers serve --continuous-batching`'s server in this process, serving `model` as it is (a
-    preloaded model of its model manager) with `tokenizer` and the continuous-batching `config`."""
+    """`python -m fp8kv serve`'s server in this process on a free loopback port, serving `model` as it is
+    (its attention and pages those of the system measured) with `tokenizer` and the continuous-batching
+    `config`; its HTTP server in a thread of its own."""
 
     def __init__(self, model, tokenizer, config: ContinuousBatchingConfig):
-        from transformers.cli.serve import Serve
-        from transformers.cli.serving.model_manager import TimedModel
+        from fp8kv.commands import serve
 
-        with socket.socket() as probe:  # a free port
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}/v1"
-        # transformers starts uvicorn at level info: 8 lines per server otherwise (a filter outlives its setup).
+        serve.check_server()  # transformers' server is the one whose private parts fp8kv's relies on
+        # uvicorn logs at level info: 8 lines per server otherwise (a filter outlives its setup).
         for name in ("uvicorn.error", "uvicorn.access"):
             if _without_info not in logging.getLogger(name).filters:
                 logging.getLogger(name).addFilter(_without_info)
-        self.verbosity = transformers.logging.get_verbosity()  # Serve sets transformers' for the whole process
-        self.serve = Serve(continuous_batching=True, host="127.0.0.1", port=port, non_blocking=True, log_level="error")
-        models = self.serve._model_manager
-        models.loaded_models[models.process_model_name(SERVED_NAME)] = TimedModel(model, timeout_seconds=-1,
-                                                                                   processor=tokenizer)
-        # Read when the first request creates the continuous-batching manager.
-        self.serve._generation_state._cb_config = config
+        # transformers' server logs a warning per request received.
+        self.serving_log = logging.getLogger("transformers.cli.serving")
+        self.serving_level = self.serving_log.level
+        self.serving_log.setLevel(logging.ERROR)
+        self.server = serve.Server(SERVED_NAME, model, tokenizer, config)
+        self.server.start_worker()
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{listener.getsockname()[1]}/v1"
+        self.thread = threading.Thread(target=self.server.run, args=(listener,), daemon=True)
+        self.thread.start()
         deadline = time.perf_counter() + 30
-        while not self.serve.server.started:
-            if time.perf_counter() > deadline or not self.serve._thread.is_alive():
+        while self.server.http is None or not self.server.http.started:
+            if time.perf_counter() > deadline or not self.thread.is_alive():
                 self.close()
-                raise RuntimeError(f"transformers' server did not start on port {port}")
+                raise RuntimeError(f"fp8kv serve's server did not start at {self.url}")
             time.sleep(0.01)
 
     def close(self) -> None:
-        self.serve.kill_server()
-        transformers.logging.set_verbosity(self.verbosity)
+        if self.server.http is not None:
+            self.server.stop()
+        self.thread.join(timeout=30)
+        self.server.stop_worker()
+        self.serving_log.setLevel(self.serving_level)
 
     def __enter__(self):
         return self

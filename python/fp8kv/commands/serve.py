@@ -81,7 +81,7 @@ def _port(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Serves until SIGINT or SIGTERM."""
-    _check_server()
+    check_server()
     try:
         model_dir = model_directory(args.model)  # for SMOLLM2_NAME the one-time conversion
     except ValueError as e:  # its message starts with the option
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"argument --model: {e}") from e
     except continuous_batching.UnsupportedTransformersError as e:
         raise CommandError(str(e)) from e
-    server = _Server(args.model, model, tokenizer, batching)
+    server = Server(args.model, model, tokenizer, batching)
     try:
         pages = continuous_batching.describe(server.start_worker()).removeprefix("fp8kv: ")
         host, port = listener.getsockname()[:2]
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_server() -> None:
+def check_server() -> None:
     """Raises a CommandError saying what to install where transformers' server is missing or is not the one
     whose private methods this command relies on."""
     import transformers
@@ -185,8 +185,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return listener
 
 
-class _Server:
-    """transformers' server application for one model with fp8kv's continuous batching."""
+class Server:
+    """transformers' server application for one model with fp8kv's continuous batching (also what
+    benchmarks/bench_serve.py serves through)."""
 
     def __init__(self, name: str, model, tokenizer, batching):
         from transformers.cli.serving.chat_completion import ChatCompletionHandler
@@ -208,7 +209,7 @@ class _Server:
                                 transcription_handler=TranscriptionHandler(**handlers),
                                 systemone_handler=SystemOneHandler(**handlers), generation_state=self.generation)
         self.app.add_exception_handler(_UnappliedSettings, _invalid_request)
-        self.worker = None
+        self.worker = self.http = None
 
     def start_worker(self):
         """Starts the continuous-batching worker with the generation config of a request that sets nothing,
@@ -240,9 +241,15 @@ class _Server:
         raise CommandError(f"the continuous-batching worker failed: {type(error).__name__}: {error}")
 
     def run(self, listener: socket.socket) -> None:
+        """Serves on `listener` until SIGINT or SIGTERM (in the main thread) or stop()."""
         import uvicorn
 
-        uvicorn.Server(uvicorn.Config(self.app, log_level="info")).run(sockets=[listener])
+        self.http = uvicorn.Server(uvicorn.Config(self.app, log_level="info"))
+        self.http.run(sockets=[listener])
+
+    def stop(self) -> None:
+        """Ends run() once the requests in flight are answered."""
+        self.http.should_exit = True
 
     def stop_worker(self) -> None:
         self.generation.shutdown()
