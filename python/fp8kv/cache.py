@@ -303,6 +303,9 @@ class PagedKVCache:
         self.allocator = BlockAllocator(num_blocks, block_size)
         inner = (block_size, num_kv_heads, head_size) if layout == "NHD" else (num_kv_heads, block_size, head_size)
         self._storage = torch.zeros((num_layers, 2, num_blocks, *inner), dtype=self.dtype, device=self.device)
+        # Made once: an eager decode step asks for every layer's views, and making them costs host time (two
+        # or four view ops) at every layer of every step.
+        self._layers = [self._views(index) for index in range(num_layers)]
 
     @property
     def block_size(self) -> int:
@@ -327,6 +330,13 @@ class PagedKVCache:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) of layer `index`: [num_blocks, block_size, num_kv_heads, head_size]."""
+        if torch.compiler.is_compiling():
+            # A compiled step makes them from the storage, its one static input: views held here would each be
+            # an input of the graph, with guards of their own.
+            return self._views(index)
+        return self._layers[index]
+
+    def _views(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         key, value = self._storage[index]
         if self.layout == "HND":
             return key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)
