@@ -163,12 +163,14 @@ class FixedBatch:
         counted), or None (all real). A sequence already holding `capacity` tokens gets no slot
         either (its token is not cached; nothing is written out of bounds) and sets `overflowed`,
         which `raise_if_overflowed` turns into CacheFullError."""
+        # Each op here is one more launch from the host at every decode step: the bools are added as they are,
+        # and a real token left without a slot is one whose `wanted` differs from `real`.
         positions = self.seq_lens.long()
         fits = positions < self.capacity
         wanted = fits if real is None else real & fits
         self.slot_mapping.copy_(torch.where(wanted, self._first_slots + positions, -1))
-        self.seq_lens.add_(wanted.int())
-        self.overflowed.logical_or_((~fits if real is None else real & ~fits).any())
+        self.seq_lens.add_(wanted)
+        self.overflowed.logical_or_((~fits if real is None else wanted != real).any())
         return self.decode_metadata
 
     def extend(self, num_new_tokens: Sequence[int]) -> BatchMetadata:
