@@ -147,12 +147,14 @@ class PagedAttention(nn.Module):
         num_kv_heads, head_size] in this module's format, written with its recipe): pages that a
         PagedKVCache does not own, such as transformers' continuous-batching cache."""
         hadamard = self.rotation is Rotation.HADAMARD
-        ops.reshape_and_cache(key, value, key_cache, value_cache, batch.slot_mapping, self.k_scale, self.v_scale,
-                              hadamard, self.k_offset)
+        # Read once: a buffer is found through nn.Module.__getattr__, about a microsecond of host time per read.
+        k_scale, v_scale, k_offset = self.k_scale, self.v_scale, self.k_offset
+        ops.reshape_and_cache(key, value, key_cache, value_cache, batch.slot_mapping, k_scale, v_scale, hadamard,
+                              k_offset)
         out = torch.empty_like(query)
         ops.paged_attention(out, query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                            batch.cu_seqlens_q, self.softmax_scale, self.k_scale, self.v_scale,
-                            self.sliding_window, self.logits_soft_cap, hadamard, self.k_offset)
+                            batch.cu_seqlens_q, self.softmax_scale, k_scale, v_scale,
+                            self.sliding_window, self.logits_soft_cap, hadamard, k_offset)
         return out
 
     @property

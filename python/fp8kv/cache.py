@@ -163,12 +163,14 @@ class FixedBatch:
         counted), or None (all real). A sequence already holding `capacity` tokens gets no slot
         either (its token is not cached; nothing is written out of bounds) and sets `overflowed`,
         which `raise_if_overflowed` turns into CacheFullError."""
+        # Each op here is one more launch from the host at every decode step: the bools are added as they are,
+        # and a real token left without a slot is one whose `wanted` differs from `real`.
         positions = self.seq_lens.long()
         fits = positions < self.capacity
         wanted = fits if real is None else real & fits
         self.slot_mapping.copy_(torch.where(wanted, self._first_slots + positions, -1))
-        self.seq_lens.add_(wanted.int())
-        self.overflowed.logical_or_((~fits if real is None else real & ~fits).any())
+        self.seq_lens.add_(wanted)
+        self.overflowed.logical_or_((~fits if real is None else wanted != real).any())
         return self.decode_metadata
 
     def extend(self, num_new_tokens: Sequence[int]) -> BatchMetadata:
@@ -303,6 +305,9 @@ class PagedKVCache:
         self.allocator = BlockAllocator(num_blocks, block_size)
         inner = (block_size, num_kv_heads, head_size) if layout == "NHD" else (num_kv_heads, block_size, head_size)
         self._storage = torch.zeros((num_layers, 2, num_blocks, *inner), dtype=self.dtype, device=self.device)
+        # Made once: an eager decode step asks for every layer's views, and making them costs host time (two
+        # or four view ops) at every layer of every step.
+        self._layers = [self._views(index) for index in range(num_layers)]
 
     @property
     def block_size(self) -> int:
@@ -327,6 +332,13 @@ class PagedKVCache:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) of layer `index`: [num_blocks, block_size, num_kv_heads, head_size]."""
+        if torch.compiler.is_compiling():
+            # A compiled step makes them from the storage, its one static input: views held here would each be
+            # an input of the graph, with guards of their own.
+            return self._views(index)
+        return self._layers[index]
+
+    def _views(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         key, value = self._storage[index]
         if self.layout == "HND":
             return key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)

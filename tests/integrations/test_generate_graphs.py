@@ -65,6 +65,21 @@ def test_fixed_batch_decode_past_capacity_writes_nothing_and_is_reported(device)
     assert batch.seq_lens.tolist() == [0, 0]
 
 
+def test_fixed_batch_decode_past_capacity_is_reported_for_real_tokens_only(device):
+    batch = FixedBatch(3, blocks_per_seq=1, block_size=4, device=device)
+    batch.extend([4, 4, 1])
+    batch.append_one(torch.tensor([False, True, True], device=device))  # padding for the full sequence 0
+    assert batch.slot_mapping.tolist() == [-1, -1, slot_of(batch, 2, 1)]
+    assert batch.seq_lens.tolist() == [4, 4, 2]
+    with pytest.raises(CacheFullError, match="capacity of 4 tokens"):  # sequence 1's real token
+        batch.raise_if_overflowed()
+    batch.clear()
+    batch.extend([4, 0, 0])
+    batch.append_one(torch.tensor([False, True, True], device=device))
+    batch.raise_if_overflowed()  # the full sequence got padding only
+    assert batch.seq_lens.tolist() == [4, 1, 1]
+
+
 def test_fixed_batch_prefill_past_capacity_reserves_nothing():
     batch = FixedBatch(2, blocks_per_seq=2, block_size=4, device="cpu")
     batch.extend([5, 1])

@@ -100,6 +100,10 @@ def test_cache_tensors(fmt, layout, model_dtype):
         assert key.stride(-1) == 1
         # HND keeps each head's tokens together: the head stride is block_size * head_size.
         assert key.stride(2) == (4 * 8 if layout == "HND" else 8)
+        # Views of the one storage (made once, handed out at every call): writes through them are the cache's.
+        assert (key.data_ptr(), value.data_ptr()) == (cache.storage[layer, 0].data_ptr(),
+                                                      cache.storage[layer, 1].data_ptr())
+        assert all(a is b for a, b in zip(cache.layer(layer), (key, value)))
     element = 2 if fmt is KVCacheDtype.UNQUANTIZED else 1
     assert cache.memory_bytes == 3 * 2 * 5 * 4 * 2 * 8 * element
     assert cache.memory_bytes == cache.capacity_tokens * bytes_per_token(3, 2, 8, expected_dtype)

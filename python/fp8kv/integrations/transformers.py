@@ -199,10 +199,15 @@ class _PagedState:
             self._plan(batch_size, new, new_tokens, positions)
         batch, rows = (self.batch.decode_metadata, None) if new == 1 else self.host_step
         module = self.attention.get(layer_idx, num_heads, key.shape[1], head_size, scaling, sliding_window, softcap)
-        q, k, v = (t.transpose(1, 2).reshape(batch_size * new, t.shape[1], head_size) for t in (query, key, value))
+        if new == 1:  # the view the transpose and reshape below give, in one op instead of two (per layer and step)
+            q, k, v = query.squeeze(2), key.squeeze(2), value.squeeze(2)
+        else:
+            q, k, v = (t.transpose(1, 2).reshape(batch_size * new, t.shape[1], head_size) for t in (query, key, value))
         if rows is not None:
             q, k, v = q[rows], k[rows], v[rows]
-        out = module(q, k, v, self.paged, batch)
+        # Not module(...): the storage and the modules come from one KVCacheConfig, so PagedAttention.forward's
+        # format check holds by construction, and the module call costs host time at every layer of every step.
+        out = module.write_and_attend(q, k, v, *self.paged.layer(layer_idx), batch)
         if rows is not None:
             out = torch.zeros(batch_size * new, num_heads, head_size, dtype=out.dtype, device=out.device).index_copy_(
                 0, rows, out)
