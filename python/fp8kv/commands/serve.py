@@ -7,7 +7,8 @@ fp8kv loaded and enabled, under the name given to --model, and its continuous-ba
 before the server listens, so the cache is allocated (and its size printed) at start-up. The socket
 is bound before the model loads: a port in use fails at once, and `--port 0` takes a free one (the
 start-up line gives it). SIGINT and SIGTERM stop the server gracefully (uvicorn's shutdown), then the
-worker; the process then ends as the signal asks (SIGINT: exit status 130, SIGTERM: killed by it).
+worker, then print a last line; the process then ends as the signal asks (SIGINT: exit status 130,
+SIGTERM: killed by it).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import signal
 import socket
 import time
 
@@ -106,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
     except continuous_batching.UnsupportedTransformersError as e:
         raise CommandError(str(e)) from e
     server = Server(args.model, model, tokenizer, batching)
+    # uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again: SIGINT as
+    # KeyboardInterrupt, SIGTERM through this handler, so that the worker stops before the process ends.
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    status = 0
     try:
         pages = continuous_batching.describe(server.start_worker()).removeprefix("fp8kv: ")
         host, port = listener.getsockname()[:2]
@@ -113,11 +119,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"fp8kv serve: {args.model} ({model_dir}, {args.dtype} on {device}) at http://{host}:{port}/v1; "
               f"{pages}", flush=True)
         server.run(listener)
-    except KeyboardInterrupt:  # uvicorn shut down gracefully on SIGINT, then raised it again
-        return SIGINT_STATUS
+    except KeyboardInterrupt:
+        status = SIGINT_STATUS
+    except _Terminated:
+        status = None
     finally:
         server.stop_worker()
-    return 0
+        signal.signal(signal.SIGTERM, previous)
+    print("fp8kv serve: stopped", flush=True)
+    if status is None:
+        signal.raise_signal(signal.SIGTERM)  # ends the process as SIGTERM asks (where its handler is the default)
+    return status or 0
+
+
+class _Terminated(Exception):
+    """SIGTERM, raised where the server runs."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated
 
 
 def check_server() -> None:
