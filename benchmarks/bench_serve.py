@@ -67,7 +67,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import dataclasses
-import json
 import logging
 import multiprocessing
 import pathlib
@@ -81,7 +80,8 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_generate import SMOLLM2, attention_geometry, build_model, peak_gib, reset_peak_memory  # noqa: E402,I001
-from common import error_text, fmt, judge, percentile, release_memory, run_header, verdict, write_outputs  # noqa: E402
+from common import (error_text, fmt, judge, percentile, release_memory, run_header, verdict,  # noqa: E402
+                    write_json, write_outputs)
 
 import transformers  # noqa: E402
 from transformers import ContinuousBatchingConfig, GenerationConfig  # noqa: E402
@@ -494,9 +494,9 @@ def run_model(name: str, preset: Preset, args: argparse.Namespace, device: torch
         raise SystemExit(f"--kv-cache-memory {preset.kv_cache_gib:g} GiB holds {name}'s whole stream in bf16 pages "
                          f"({whole_stream / GIB:.3g} GiB): nothing limits the batch; give less, or more requests")
     streams[name] = {"requests": preset.requests, "prompt_tokens": list(preset.prompt_tokens),
-              "output_tokens": list(preset.output_tokens), "output_lengths": [r.output_tokens for r in requests],
-              "prompt_lengths": [len(r.prompt) for r in requests], "bf16_stream_gib": whole_stream / GIB,
-              "clients": min(preset.clients, preset.requests)}
+                     "output_tokens": list(preset.output_tokens), "output_lengths": [r.output_tokens for r in requests],
+                     "prompt_lengths": [len(r.prompt) for r in requests], "bf16_stream_gib": whole_stream / GIB,
+                     "clients": min(preset.clients, preset.requests)}
     with_transformers = preset.transformers and not args.no_transformers
     offline_systems = fp8kv_systems(device, args.fp8kv_eager) + (transformers_systems(device) if with_transformers
                                                                   else [])
@@ -642,11 +642,8 @@ def presets(args: argparse.Namespace) -> dict[str, Preset]:
     return {name: dataclasses.replace(preset, **overrides) for name, preset in chosen.items()}
 
 
-def payload_of(args: argparse.Namespace, device: torch.device, streams: dict, rows: list[dict]) -> dict:
+def payload_of(header: dict, args: argparse.Namespace, streams: dict, rows: list[dict]) -> dict:
     compared = comparisons([row for row in rows if row["mode"] != "-"])
-    header = run_header("serve", device) if device.type == "cuda" else {
-        "benchmark": "serve", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "device": {"name": "cpu", "torch": torch.__version__}}
     return header | {"transformers": transformers.__version__, "page_size": args.page_size, "seed": args.seed,
                      "warmup_requests": WARMUP_REQUESTS, "warmup_output_tokens": WARMUP_OUTPUT,
                      "streams": streams, "rows": rows, "comparisons": compared,
@@ -659,12 +656,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"streams: seed {args.seed}, lengths uniform, EOS ignored, greedy; pages of {args.page_size} tokens; "
           f"{WARMUP_REQUESTS} warm-up requests (<= {WARMUP_OUTPUT} output tokens) before each measured stream; "
           "times: host wall clock", flush=True)
+    header = run_header("serve", device) if device.type == "cuda" else {
+        "benchmark": "serve", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "device": {"name": "cpu", "torch": torch.__version__}}
     rows, streams = [], {}
 
     def saved() -> None:
         if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(payload_of(args, device, streams, rows), indent=1) + "\n")
+            write_json(payload_of(header, args, streams, rows), args.json)
 
     for name, preset in presets(args).items():
         try:
@@ -676,7 +675,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "error": f"model unavailable: {error_text(exc)}"})
             print(f"{name}: {rows[-1]['error']}", flush=True)
         release_memory()
-    payload = payload_of(args, device, streams, rows)
+    payload = payload_of(header, args, streams, rows)
     print(results_table(rows))
     print()
     print(comparisons_table(payload["comparisons"]))

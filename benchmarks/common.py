@@ -399,11 +399,15 @@ def errors_text(rows: list[dict]) -> str:
     return "columns that did not run:\n" + "\n".join(lines) if lines else ""
 
 
+def write_json(payload: dict, path: pathlib.Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, allow_nan=True) + "\n")
+
+
 def write_outputs(payload: dict, args: argparse.Namespace) -> None:
     """Writes the JSON and the PNG asked for on the command line."""
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(payload, indent=1, allow_nan=True) + "\n")
+        write_json(payload, args.json)
         print(f"wrote {args.json}")
     if args.png:
         from plot import plot_results  # benchmarks/ is on sys.path when a script here runs

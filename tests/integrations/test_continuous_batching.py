@@ -517,10 +517,10 @@ def test_generate_batch_on_each_device(device, cache_name, page, cuda_graphs, st
     # On the GPU a bf16 matmul's rounding may depend on how many rows it multiplies, and continuous
     # batching stacks requests (and pads them under CUDA graphs) where the reference runs one at a
     # time: a logit may move by a rounding or two, which flips a greedy token only where the best two
-    # logits of the reference are that close (bf16 logits tie often: their unit is 1/16 at 4 to 8; on FP8
-    # pages the roundings of the cache add, see NEAR_TIE_FP8). So
-    # each request's tokens must equal the reference's up to its first such near tie, and all after it
-    # on most requests; the log-probabilities are not compared. Under CUDA graphs transformers pads
+    # logits of the reference are that close (bf16 logits tie often: their unit is 1/16 at 4 to 8; on
+    # FP8 pages the roundings of the cache add, see NEAR_TIE_FP8). So each request's tokens must equal
+    # the reference's up to its first such near tie, and all after it on most requests; the
+    # log-probabilities are not compared. Under CUDA graphs transformers pads
     # the steps (query rows past the last request, empty decode requests) and runs them
     # asynchronously, replaying the graphs it captured after one eager run each.
     if cuda_graphs and device == "cpu":

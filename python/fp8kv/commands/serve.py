@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again: SIGINT as
     # KeyboardInterrupt, SIGTERM through this handler, so that the worker stops before the process ends.
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    status = 0
+    status, terminated = 0, False
     try:
         pages = continuous_batching.describe(server.start_worker()).removeprefix("fp8kv: ")
         host, port = listener.getsockname()[:2]
@@ -122,14 +122,14 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         status = SIGINT_STATUS
     except _Terminated:
-        status = None
+        terminated = True
     finally:
         server.stop_worker()
         signal.signal(signal.SIGTERM, previous)
     print("fp8kv serve: stopped", flush=True)
-    if status is None:
+    if terminated:
         signal.raise_signal(signal.SIGTERM)  # ends the process as SIGTERM asks (where its handler is the default)
-    return status or 0
+    return status
 
 
 class _Terminated(Exception):
