@@ -312,13 +312,14 @@ def busy_ms_per_step(model, cache, column: Column, batch: int, context: int,
         decode(model, cache, column, batch, context, PROFILED_STEPS, device)
     kernels = [event for event in profile.events() if event.device_type == torch.autograd.DeviceType.CUDA]
     attention = [event for event in kernels if ATTENTION_KERNELS.search(event.name)]
-    return tuple(covered_us(events) / 1e3 / PROFILED_STEPS for events in (kernels, attention))
+    return tuple(covered_us((e.time_range.start, e.time_range.end) for e in events) / 1e3 / PROFILED_STEPS
+                 for events in (kernels, attention))
 
 
-def covered_us(events) -> float:
-    """Microseconds covered by the events' time ranges (overlaps counted once)."""
+def covered_us(spans) -> float:
+    """Microseconds covered by (start, end) spans in microseconds (overlaps counted once)."""
     busy_us, covered_until = 0.0, -math.inf
-    for start, end in sorted((event.time_range.start, event.time_range.end) for event in events):
+    for start, end in sorted(spans):
         busy_us += max(0.0, end - max(start, covered_until))
         covered_until = max(covered_until, end)
     return busy_us

@@ -57,8 +57,18 @@ only; prompts 256-8192, outputs 64-512: prefill is much of the work), `--model l
 it; fp8kv's systems only, transformers' own would take hours) and `--model smollm2` (SmolLM2-135M's
 real weights, from fp8kv.models; its rows say why when not installed).
 `--smoke` serves a tiny random model a small stream (the CPU when there is no GPU), in under a minute.
+`--systems REGEX` runs only the systems whose name matches.
 
-    python benchmarks/bench_serve.py [--smoke] [--model NAME ...] [--kv-cache-memory GIB] [--json PATH]
+Step profile (`--profile-window START-END`, CUDA): where a step's time goes. The device's kernels are
+profiled (torch.profiler, CUDA activity only) from START to END seconds after each offline stream of
+fp8kv's systems is submitted; steps are counted by fp8kv's attention launches (one per layer and step:
+the decode kernel on transformers' decode fast path, a multi-token kernel in a step with prefill), and
+per step the table gives the wall time, the output tokens, and the device's busy time in all kernels
+and in attention, the cache write, matrix products (the weights' reads) and the rest. Busy time below
+the wall time is time the device waited for the host.
+
+    python benchmarks/bench_serve.py [--smoke] [--model NAME ...] [--kv-cache-memory GIB] [--systems REGEX]
+                                     [--profile-window START-END] [--json PATH]
 """
 
 from __future__ import annotations
@@ -68,6 +78,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import multiprocessing
 import pathlib
 import re
@@ -79,7 +90,8 @@ import time
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_generate import SMOLLM2, attention_geometry, build_model, peak_gib, reset_peak_memory  # noqa: E402,I001
+from bench_generate import (ATTENTION_KERNELS, SMOLLM2, attention_geometry, build_model, chosen,  # noqa: E402,I001
+                            covered_us, peak_gib, reset_peak_memory)
 from common import (error_text, fmt, judge, percentile, release_memory, run_header, verdict,  # noqa: E402
                     write_json, write_outputs)
 
@@ -275,13 +287,16 @@ def keep_timestamps_across_soft_resets() -> None:
     RequestState.create_equivalent_initial_request = create_equivalent_initial_request
 
 
-def serve_offline(manager, requests: list[Request]) -> Served:
-    """Submits every request at once, waits for all; (submission times, token times per request, end)."""
+def serve_offline(manager, requests: list[Request], window: ProfileWindow | None = None) -> Served:
+    """Submits every request at once, waits for all; (submission times, token times per request, end).
+    `window`: profiled while the stream is served."""
     ids = [manager.add_request(r.prompt, max_new_tokens=r.output_tokens, record_timestamps=True, eos_token_id=NO_EOS)
            for r in requests]
+    submitted = time.perf_counter()
     results = {}
     while len(results) < len(ids):
-        result = manager.get_result(timeout=1)
+        wait = 1.0 if window is None else min(1.0, window.advance(time.perf_counter() - submitted))
+        result = manager.get_result(timeout=wait)
         if result is None:
             if not manager.is_running():
                 raise RuntimeError("transformers' generation thread stopped before the stream was served")
@@ -290,13 +305,15 @@ def serve_offline(manager, requests: list[Request]) -> Served:
             raise RuntimeError(f"request {result.request_id} failed: {result.error}")
         if result.is_finished():
             results[result.request_id] = result
+    if window is not None:
+        window.stop()
     ordered = [results[request_id] for request_id in ids]
     token_times = [result.timestamps for result in ordered]
     return [result.created_time for result in ordered], token_times, max(times[-1] for times in token_times)
 
 
 def measure_offline(model, system: System, budget_bytes: int, page_size: int, requests: list[Request],
-                    warmup: list[Request], device: torch.device) -> dict:
+                    warmup: list[Request], device: torch.device, profile_window: tuple[float, float] | None) -> dict:
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     keep_timestamps_across_soft_resets()
@@ -305,17 +322,99 @@ def measure_offline(model, system: System, budget_bytes: int, page_size: int, re
     served = requests + warmup
     hints = WorkloadHints(max_prompt_length=max(len(r.prompt) for r in served),
                           max_generated_length=max(r.output_tokens for r in served), num_requests=len(requests))
+    window = ProfileWindow(*profile_window) if profile_window and system.kv_format is not None else None
     with model.continuous_batching_context_manager(generation_config=generation_config(), block=True, timeout=30,
                                                    continuous_batching_config=config, workload_hints=hints) as manager:
         serve_offline(manager, warmup)
         reset_peak_memory(device)
-        info = summarize(requests, *serve_offline(manager, requests))
+        starts, token_times, end = serve_offline(manager, requests, window)
+        info = summarize(requests, starts, token_times, end)
         info["peak_gib"] = peak_gib(device)
         token_bytes = page_bytes_per_token(model, system.kv_format)
         info.update(cache_facts(manager.batch_processor.cache, page_size, token_bytes))
         resolved = manager.continuous_batching_config
         info["cuda_graphs"], info["async_batching"] = list(resolved.cuda_graph_booleans), resolved.use_async_batching
+    if window is not None:
+        info["step_profile"] = window.summary(token_times, model.config.num_hidden_layers)
     return info
+
+
+# ----------------------------------------------------------------------------- where a step's time goes
+
+
+# Kernel kinds of a step profile, by name (the first that matches; the rest is "other"): fp8kv's attention
+# (decode, multi-token, split merge), its cache write, and the matrix products (cuBLAS's nvjet and
+# CUTLASS kernels), which read the weights.
+KERNEL_KINDS = {"attention": ATTENTION_KERNELS,
+                "cache write": re.compile(r"reshape_and_cache|transformed_write"),
+                "matmul": re.compile(r"gemm|nvjet|cutlass|xmma", re.IGNORECASE)}
+# fp8kv's attention runs once per layer and step: the decode kernel on transformers' decode fast path,
+# a multi-token kernel otherwise.
+DECODE_STEP_KERNEL, MIXED_STEP_KERNEL = re.compile(r"decode_kernel"), re.compile(r"sm80_kernel|sm90a_kernel")
+
+
+class ProfileWindow:
+    """The device's kernels (torch.profiler, CUDA activity only) from `start` to `end` seconds after a
+    stream's submission; started and stopped by the thread that waits for the results while transformers'
+    generation thread runs the steps."""
+
+    def __init__(self, start: float, end: float):
+        self.start, self.end = start, end
+        self.profiler, self.host_times, self.kernels = None, None, None
+
+    def advance(self, elapsed: float) -> float:
+        """Starts or stops the profiler as `elapsed` passes the window's edges; the seconds to the next one."""
+        if self.profiler is None and self.kernels is None and elapsed >= self.start:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            self.profiler.__enter__()
+            self.host_times = [time.perf_counter()]
+        if self.profiler is not None and elapsed >= self.end:
+            self.stop()
+        edge = self.start if self.host_times is None else self.end if self.kernels is None else math.inf
+        return max(edge - elapsed, 0.01)
+
+    def stop(self) -> None:
+        """Ends the window (early where the stream ended first)."""
+        if self.profiler is None:
+            return
+        self.host_times.append(time.perf_counter())
+        self.profiler.__exit__(None, None, None)
+        self.kernels = [(e.name, e.time_range.start, e.time_range.end) for e in self.profiler.events()
+                        if e.device_type == torch.autograd.DeviceType.CUDA]
+        self.profiler = None
+
+    def summary(self, token_times: list[list[float]], layers: int) -> dict:
+        if self.kernels is None:
+            return {"error": f"the stream ended before the profile window started ({self.start:g} s)"}
+        return step_profile(self.kernels, self.host_times, token_times, layers)
+
+
+def step_profile(kernels: list[tuple[str, float, float]], host_times: list[float], token_times: list[list[float]],
+                 layers: int) -> dict:
+    """Where a window's steps spend their time. kernels: (name, start us, end us) on the device; host_times:
+    the window's start and end on the host's clock (s); token_times: every request's token times on it.
+    Steps: fp8kv attention launches / layers (decode-only steps and steps with prefill apart); per step:
+    the window's wall time, output tokens, and the device's busy time (overlaps counted once) in all kernels
+    and in each kind (KERNEL_KINDS and "other")."""
+    start, end = host_times
+    decode_steps = sum(1 for name, *_ in kernels if DECODE_STEP_KERNEL.search(name)) / layers
+    mixed_steps = sum(1 for name, *_ in kernels if MIXED_STEP_KERNEL.search(name)) / layers
+    steps = decode_steps + mixed_steps
+    if steps == 0:
+        return {"error": "no step of fp8kv's attention ran in the profile window"}
+    kinds = {kind: [] for kind in [*KERNEL_KINDS, "other"]}
+    for kernel in kernels:
+        kind = next((kind for kind, pattern in KERNEL_KINDS.items() if pattern.search(kernel[0])), "other")
+        kinds[kind].append(kernel)
+    tokens = sum(1 for times in token_times for t in times if start <= t < end)
+    return {"window_s": end - start, "steps": steps, "decode_steps": decode_steps, "mixed_steps": mixed_steps,
+            "ms_per_step": 1e3 * (end - start) / steps, "tokens_per_step": tokens / steps,
+            "busy_ms_per_step": busy_ms(kernels) / steps,
+            "kinds_ms_per_step": {kind: busy_ms(spans) / steps for kind, spans in kinds.items()}}
+
+
+def busy_ms(kernels: list[tuple[str, float, float]]) -> float:
+    return covered_us((start, end) for _, start, end in kernels) / 1e3
 
 
 # ----------------------------------------------------------------------------- online
@@ -500,6 +599,7 @@ def run_model(name: str, preset: Preset, args: argparse.Namespace, device: torch
     with_transformers = preset.transformers and not args.no_transformers
     offline_systems = fp8kv_systems(device, args.fp8kv_eager) + (transformers_systems(device) if with_transformers
                                                                   else [])
+    offline_systems = chosen(offline_systems, args.systems, lambda system: system.name)
     online_reason = "disabled by --no-online" if args.no_online else online_unavailable()
 
     def add(row: dict) -> dict:
@@ -514,7 +614,8 @@ def run_model(name: str, preset: Preset, args: argparse.Namespace, device: torch
         base = {"model": name, "scenario": scenario, "kv_cache_gib": budget / GIB}
         offline = [add(base | {"mode": OFFLINE, "system": system.name} | measured(
             f"{OFFLINE} / {system.name}",
-            lambda system=system: measure_offline(model, system, budget, args.page_size, requests, warmup, device)))
+            lambda system=system: measure_offline(model, system, budget, args.page_size, requests, warmup, device,
+                                                  args.profile_window)))
             for system in offline_systems]
         best = transformers_best(offline)
         for system in (s for s in offline_systems if s.name in (FP8, BF16, best)):
@@ -584,6 +685,34 @@ def comparisons_table(compared: list[dict]) -> str:
                            "bf16 / transformers' best", "target"], lines)
 
 
+def profile_table(rows: list[dict]) -> str:
+    """The step profiles of the rows that have one."""
+    lines = []
+    for row in rows:
+        profile = row.get("step_profile")
+        if profile is None:
+            continue
+        cells = [row["model"], row["scenario"], row["system"]]
+        if "error" in profile:
+            lines.append(cells + ["-"] * 9 + [profile["error"]])
+            continue
+        kinds = profile["kinds_ms_per_step"]
+        lines.append(cells + [fmt(profile["window_s"], 2), f"{fmt(profile['decode_steps'], 0)} + "
+                              f"{fmt(profile['mixed_steps'], 0)}", fmt(profile["tokens_per_step"]),
+                              fmt(profile["ms_per_step"], 2), fmt(profile["busy_ms_per_step"], 2)]
+                     + [fmt(kinds[kind], 2) for kind in [*KERNEL_KINDS, "other"]] + [""])
+    return markdown_table(["model", "scenario", "system", "window s", "steps (decode + with prefill)",
+                           "output tokens / step", "ms / step", "device busy ms / step",
+                           *(f"{kind} ms / step" for kind in [*KERNEL_KINDS, "other"]), "not run"], lines)
+
+
+def parse_window(text: str) -> tuple[float, float]:
+    match = re.fullmatch(r"(\d+(?:\.\d*)?)-(\d+(?:\.\d*)?)", text)
+    if not match or not float(match[1]) < float(match[2]):
+        raise argparse.ArgumentTypeError(f"expected START-END in seconds with START < END, got {text!r}")
+    return float(match[1]), float(match[2])
+
+
 def parse_range(text: str) -> tuple[int, int]:
     match = re.fullmatch(r"(\d+)-(\d+)", text)
     if not match or not 1 <= int(match[1]) <= int(match[2]):
@@ -617,6 +746,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--scenario", action="append", choices=(MEMORY_LIMITED, NOT_LIMITED),
                         help="a scenario to run (repeatable; default: both)")
     parser.add_argument("--no-transformers", action="store_true", help="fp8kv's systems only")
+    parser.add_argument("--systems", metavar="REGEX", help="only the systems whose name matches REGEX")
+    parser.add_argument("--profile-window", type=parse_window, metavar="START-END",
+                        help="profile the device from START to END seconds after each offline stream's submission "
+                        "(fp8kv's systems, CUDA): where a step's time goes")
     parser.add_argument("--fp8kv-eager", action="store_true",
                         help="fp8kv's systems without CUDA graphs and asynchronous batching")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -627,6 +760,8 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     llama = [name for name in args.model or PRESETS if PRESETS[name].geometry != SMOLLM2]
     if not args.smoke and args.device != "cuda" and llama:
         parser.error(f"argument --device: {llama[0]} needs a CUDA GPU; on the CPU: --smoke, or --model smollm2")
+    if args.profile_window and args.device != "cuda":
+        parser.error("argument --profile-window: profiles CUDA kernels; it needs --device cuda")
     args.scenario = args.scenario or [MEMORY_LIMITED, NOT_LIMITED]
     args.png = None  # common.write_outputs: no plot for this benchmark
     return args
@@ -679,6 +814,9 @@ def main(argv: list[str] | None = None) -> dict:
     print(results_table(rows))
     print()
     print(comparisons_table(payload["comparisons"]))
+    if args.profile_window:
+        print()
+        print(profile_table(rows))
     write_outputs(payload, args)
     return payload
 

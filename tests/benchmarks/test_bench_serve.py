@@ -11,8 +11,10 @@ import json
 import math
 import pathlib
 import sys
+import types
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -201,3 +203,118 @@ def test_a_run_stopped_midway_has_saved_the_rows_it_measured(tmp_path, monkeypat
                                                                       (serve.OFFLINE, serve.BF16)]
     for row in saved["rows"]:
         check_served(row, saved["streams"]["tiny"])
+
+
+def test_systems_are_chosen_by_name():
+    payload = serve.main(["--smoke", "--device", "cpu", "--scenario", serve.NOT_LIMITED, "--no-online",
+                          "--systems", "bf16$"])
+    assert [(row["mode"], row["system"]) for row in payload["rows"]] == [(serve.OFFLINE, serve.BF16),
+                                                                         (serve.ONLINE, serve.BF16)]
+    assert payload["rows"][1]["skipped"] == "disabled by --no-online"
+    with pytest.raises(SystemExit, match="'nothing' matches none of: fp8kv e4m3, fp8kv bf16"):
+        serve.main(["--smoke", "--device", "cpu", "--no-transformers", "--systems", "nothing"])
+
+
+# A window of 2 layers: 3 decode steps (one decode kernel + its split merge per layer), then 1 step with
+# prefill (a multi-token kernel per layer). Spans in microseconds on the device's clock.
+KERNELS = [("nvjet_gemm", 0, 100), ("rms_norm", 100, 110), ("reshape_and_cache_kernel", 110, 115),
+           ("decode_kernel<...>", 115, 150), ("merge_splits_kernel", 145, 155), ("nvjet_gemm", 155, 255),
+           ("decode_kernel<...>", 300, 330), ("decode_kernel<...>", 400, 430), ("decode_kernel<...>", 500, 530),
+           ("decode_kernel<...>", 600, 630), ("decode_kernel<...>", 700, 730),
+           ("transformed_write_kernel", 800, 820), ("sm90a_kernel<...>", 820, 900), ("sm80_kernel<...>", 950, 990)]
+
+
+def test_a_step_profile_counts_steps_by_attention_launches_and_busy_time_once_per_overlap():
+    token_times = [[0.5, 1.5, 2.0, 3.5], [0.9, 1.0, 2.9]]  # host seconds; the window is [1, 3)
+    profile = serve.step_profile(KERNELS, [1.0, 3.0], token_times, layers=2)
+    assert (profile["decode_steps"], profile["mixed_steps"], profile["steps"]) == (3, 1, 4)
+    assert profile["window_s"] == 2.0 and profile["ms_per_step"] == 500.0
+    assert profile["tokens_per_step"] == 4 / 4  # 1.5, 2.0, 1.0, 2.9
+    # Kinds: attention 35 + 10 - 5 (the merge overlaps the decode kernel) + 5 * 30 + 80 + 40 = 310 us.
+    assert profile["kinds_ms_per_step"] == pytest.approx(
+        {"attention": 0.310 / 4, "cache write": 0.025 / 4, "matmul": 0.200 / 4, "other": 0.010 / 4})
+    assert profile["busy_ms_per_step"] == pytest.approx(0.545 / 4)  # the kinds' sum: no two kinds overlap here
+
+
+def test_a_step_profile_without_attention_steps_says_so():
+    profile = serve.step_profile(KERNELS[:3], [0.0, 1.0], [[0.5]], layers=2)
+    assert profile == {"error": "no step of fp8kv's attention ran in the profile window"}
+
+
+class FakeProfiler:
+    """torch.profiler.profile's part that ProfileWindow uses, with two kernels (and a host event)."""
+
+    def __init__(self, activities):
+        assert activities == [torch.profiler.ProfilerActivity.CUDA]
+        self.entered = self.exited = 0
+
+    def __enter__(self):
+        self.entered += 1
+
+    def __exit__(self, *exc_info):
+        self.exited += 1
+
+    def events(self):
+        def event(name, device_type, start, end):
+            return types.SimpleNamespace(name=name, device_type=device_type,
+                                         time_range=types.SimpleNamespace(start=start, end=end))
+
+        return [event("decode_kernel", torch.autograd.DeviceType.CUDA, 0, 10),
+                event("cudaLaunchKernel", torch.autograd.DeviceType.CPU, 0, 1),
+                event("decode_kernel", torch.autograd.DeviceType.CUDA, 20, 30)]
+
+
+def test_a_profile_window_runs_the_profiler_between_its_edges(monkeypatch):
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfiler)
+    window = serve.ProfileWindow(2.0, 5.0)
+    assert window.advance(0.5) == 1.5  # waits for the start
+    assert window.profiler is None
+    assert window.advance(2.25) == 2.75  # started; waits for the end
+    profiler = window.profiler
+    assert profiler.entered == 1 and profiler.exited == 0
+    assert window.advance(4.0) == 1.0 and window.profiler is profiler
+    assert window.advance(5.0) == math.inf  # stopped: nothing more to wait for
+    assert profiler.exited == 1 and window.profiler is None
+    assert window.kernels == [("decode_kernel", 0, 10), ("decode_kernel", 20, 30)]  # device events only
+    assert window.advance(6.0) == math.inf and profiler.entered == 1  # never restarted
+    window.stop()  # a stream's end after the window: nothing to stop
+    assert profiler.exited == 1
+    host_start, host_end = window.host_times
+    summary = window.summary([[host_start, host_end]], layers=1)
+    assert summary["steps"] == 2 and summary["tokens_per_step"] == 0.5
+
+
+def test_a_profile_window_stopped_by_the_end_of_its_stream(monkeypatch):
+    monkeypatch.setattr(torch.profiler, "profile", FakeProfiler)
+    window = serve.ProfileWindow(1.0, 9.0)
+    window.advance(1.0)
+    window.stop()
+    assert window.profiler is None and len(window.kernels) == 2 and window.host_times[0] <= window.host_times[1]
+    never = serve.ProfileWindow(9.0, 10.0)
+    never.advance(1.0)
+    never.stop()
+    assert never.summary([], layers=1) == {"error": "the stream ended before the profile window started (9 s)"}
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--profile-window", "5-2"], "START < END"),
+    (["--profile-window", "x"], "START-END"),
+    (["--profile-window", "1-2", "--device", "cpu"], "it needs --device cuda"),
+])
+def test_bad_profile_windows_are_refused(argv, named, capsys):
+    with pytest.raises(SystemExit):
+        serve.parse_arguments(["--smoke", *argv])
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_a_profiled_stream_on_the_gpu_reports_its_steps():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    payload = serve.main(["--smoke", "--device", "cuda", "--scenario", serve.NOT_LIMITED, "--no-online",
+                          "--no-transformers", "--profile-window", "0-60"])
+    for row in payload["rows"]:
+        profile = row["step_profile"]
+        assert "error" not in profile, profile
+        assert profile["steps"] > 0 and profile["busy_ms_per_step"] <= profile["ms_per_step"]
+        assert profile["kinds_ms_per_step"]["attention"] > 0 and profile["kinds_ms_per_step"]["matmul"] > 0

@@ -620,9 +620,13 @@ def test_generate_busy_time_counts_overlaps_once_and_picks_attention_kernels():
                kernel("void fp8kv::cuda::multi_token::sm90a::sm90a_kernel<(fp8kv::DType)3, 128>(...)", 80, 83)]
     attention = [k for k in kernels if generate.ATTENTION_KERNELS.search(k.name)]
     assert [k.time_range.start for k in attention] == [0, 8, 40, 50, 60, 70, 80]  # not the cache write, not the GEMM
-    assert generate.covered_us(kernels) == 12 + 1 + 10 + 1 + 2 + 1 + 5 + 3
-    assert generate.covered_us(attention) == 12 + 1 + 2 + 1 + 5 + 3
-    assert generate.covered_us([kernel("a", 0, 10), kernel("b", 2, 5)]) == 10  # nested: counted once
+
+    def spans(events):
+        return [(event.time_range.start, event.time_range.end) for event in events]
+
+    assert generate.covered_us(spans(kernels)) == 12 + 1 + 10 + 1 + 2 + 1 + 5 + 3
+    assert generate.covered_us(spans(attention)) == 12 + 1 + 2 + 1 + 5 + 3
+    assert generate.covered_us([(0, 10), (2, 5)]) == 10  # nested: counted once
     assert generate.covered_us([]) == 0
 
 
