@@ -313,7 +313,7 @@ def test_a_profiled_stream_on_the_gpu_reports_its_steps():
         pytest.skip("needs a CUDA GPU")
     payload = serve.main(["--smoke", "--device", "cuda", "--scenario", serve.NOT_LIMITED, "--no-online",
                           "--no-transformers", "--profile-window", "0-60"])
-    for row in payload["rows"]:
+    for row in rows_of(payload, serve.OFFLINE):
         profile = row["step_profile"]
         assert "error" not in profile, profile
         assert profile["steps"] > 0 and profile["busy_ms_per_step"] <= profile["ms_per_step"]
