@@ -61,11 +61,15 @@ class DecodeShape:
     batch: int
     context: int  # cached tokens per sequence, all read by the one query token
     block_size: int = 16
+    # fp8kv's columns also get this many more rows of length 0 after the batch's: the padding of a
+    # CUDA-graph batch in a server (transformers pads its decode batches to multiples of 64).
+    empty_rows: int = 0
 
     @property
     def label(self) -> str:
         page = "" if self.block_size == 16 else f" bs{self.block_size}"
-        return f"{self.model.name} decode B{self.batch} x {cases.tokens_text(self.context)}{page}"
+        padding = f" +{self.empty_rows} empty" if self.empty_rows else ""
+        return f"{self.model.name} decode B{self.batch} x {cases.tokens_text(self.context)}{page}{padding}"
 
     @property
     def is_large(self) -> bool:
@@ -82,6 +86,8 @@ def default_shapes() -> list[DecodeShape]:
     shapes = [DecodeShape(cases.LLAMA3_8B, b, l, block_size=bs) for bs in (16, 64) for b, l in llama3]
     for model in (cases.LLAMA2_7B, cases.LLAMA3_70B_TP8, cases.LLAMA32_1B, cases.GEMMA3_12B):
         shapes.append(DecodeShape(model, 64, 4096))
+    # A server's decode step: transformers' pages of 256 tokens, 65-127 requests padded to 128.
+    shapes.append(DecodeShape(cases.LLAMA3_8B, 64, 4096, block_size=256, empty_rows=64))
     return shapes
 
 
@@ -110,13 +116,23 @@ class DecodeCase:
 
 def fp8kv_column(ops, case: DecodeCase, key_cache, value_cache, k_scale, v_scale, hadamard=False,
                  k_offset=None) -> Callable[[], torch.Tensor]:
-    out = torch.full_like(case.query, float("nan"))
-    c = case.cache
+    """fp8kv's decode over the case's rows and its shape's empty rows (block 0, length 0) after them; returns
+    the case's rows of the output (the empty rows' are zeros, checked at the first call)."""
+    c, empty = case.cache, case.shape.empty_rows
+    query = torch.cat([case.query, case.query.new_zeros(empty, *case.query.shape[1:])])
+    block_tables = torch.cat([c.block_tables, c.block_tables.new_zeros(empty, c.block_tables.shape[1])])
+    seq_lens = torch.cat([c.seq_lens, c.seq_lens.new_zeros(empty)])
+    out = torch.full_like(query, float("nan"))
+    checked = []
 
     def run():
-        ops.paged_attention(out, case.query, key_cache, value_cache, c.block_tables, c.seq_lens, None,
+        ops.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, None,
                             case.softmax_scale, k_scale, v_scale, hadamard=hadamard, k_offset=k_offset)
-        return out
+        if not checked:
+            if out[case.shape.batch:].count_nonzero():
+                raise RuntimeError(f"fp8kv wrote non-zero outputs for the {empty} rows of length 0")
+            checked.append(True)
+        return out[:case.shape.batch]
     return run
 
 

@@ -333,14 +333,15 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
     mma_16x8x16<kBf16>(st.acc[j], a, p0, p1);
   }
 }
-__device__ __forceinline__ ItemIndex item_index(const PagedAttentionParams& p, const WorkQueue& queue, int num_splits,
-                                                int item) {
+
+// Work item `item` of the queue (tiles.h: the KV head fastest, the sequence slowest).
+__device__ __forceinline__ ItemIndex item_index(const PagedAttentionParams& p, int num_splits, int item) {
   const int group = p.num_heads / p.num_kv_heads;
   ItemIndex at;
-  at.row_chunk = item % queue.row_chunks;
+  at.kv_head = item % p.num_kv_heads;
+  at.split = (item / p.num_kv_heads) % num_splits;
+  at.row_chunk = item / (p.num_kv_heads * num_splits);
   at.seq = at.row_chunk / ((group + kRows - 1) / kRows);
-  at.split = (item / queue.row_chunks) % num_splits;
-  at.kv_head = item / (queue.row_chunks * num_splits);
   return at;
 }
 
@@ -573,7 +574,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
   // item streams, the next one's block-table slice and sequence length are copied into the other
   // buffer; when it ends, the next item's first tiles and query are requested before its merge, so
   // that an item's ramp overlaps the previous item's end.
-  ItemIndex at = item_index(p, queue, ws.num_splits, blockIdx.x);
+  ItemIndex at = item_index(p, ws.num_splits, blockIdx.x);
   int buffer = 0;
   int ticket = 0;  // thread 0: the item after the next one
   if (threadIdx.x == 0) ticket = gridDim.x + atomicAdd(queue.taken, 1);
@@ -613,7 +614,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
   for (;;) {
     const int next = shared.next_item;
     const bool has_next = next < queue.items;
-    const ItemIndex next_at = item_index(p, queue, ws.num_splits, has_next ? next : 0);
+    const ItemIndex next_at = item_index(p, ws.num_splits, has_next ? next : 0);
     auto prefetch_next = [&]() {
       if (has_next) prefetch_item(p, queue, next_at, slices + (buffer ^ 1) * queue.slice_entries, &shared.seq_len[buffer ^ 1]);
     };
@@ -676,7 +677,7 @@ template <DType C, int D>
 cudaError_t launch_head(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
                         int* taken, cudaStream_t stream) {
   const int64_t items = plan.row_chunks * plan.num_splits * p.num_kv_heads;
-  const WorkQueue queue{taken, static_cast<int>(items), static_cast<int>(plan.row_chunks), plan.split_tokens,
+  const WorkQueue queue{taken, static_cast<int>(items), plan.split_tokens,
                         pages_bytes(plan, p.block_size) / 4};
   const cudaError_t status = cudaMemsetAsync(taken, 0, sizeof(int), stream);
   if (status != cudaSuccess) return status;

@@ -18,6 +18,7 @@ rotated recipe (its columns record why, the plain ones still run).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
@@ -65,13 +66,30 @@ def test_models_have_their_published_geometry():
 def test_decode_shapes():
     shapes = decode.default_shapes()
     labels = [s.label for s in shapes]
-    assert len(labels) == len(set(labels)) == 7 * 2 + 4
+    assert len(labels) == len(set(labels)) == 7 * 2 + 4 + 1
     assert "Llama-3-8B decode B64 x 4k" in labels and "Llama-3-8B decode B1 x 128k bs64" in labels
+    assert labels[-1] == "Llama-3-8B decode B64 x 4k bs256 +64 empty"
+    assert [s.empty_rows for s in shapes] == [0] * (len(shapes) - 1) + [64]
     llama3 = {(s.batch, s.context) for s in shapes if s.model == cases.LLAMA3_8B and s.block_size == 16}
     assert llama3 == {(1, 32768), (1, 131072), (16, 4096), (64, 4096), (16, 16384), (128, 2048), (256, 1024)}
     others = [s for s in shapes if s.model != cases.LLAMA3_8B]
     assert {s.model.name for s in others} == {"Llama-2-7B", "Llama-3-70B TP8", "Llama-3.2-1B", "Gemma-3-12B"}
     assert all((s.batch, s.context) == (64, 4096) for s in others)
+
+
+@needs_fp8kv
+def test_decode_rows_of_length_0_after_the_batch_change_nothing_of_its_rows():
+    from fp8kv import ops
+
+    device = torch.device("cpu")
+    padded = decode.DecodeShape(cases.LLAMA3_8B, 2, 40, block_size=16, empty_rows=3)
+    case = decode.make_case(padded, device, seed=0)
+    plain = dataclasses.replace(case, shape=dataclasses.replace(padded, empty_rows=0))
+    c = case.cache
+    outputs = [decode.fp8kv_column(ops, which, c.key_nhd, c.value_nhd, c.k_scale, c.v_scale)() for which in (case, plain)]
+    assert outputs[0].shape == case.query.shape
+    assert torch.equal(outputs[0], outputs[1])
+    assert "B2 x 40 +3 empty" in padded.label
 
 
 # FP8 K+V bytes = 2 (K and V) x batch x KV heads x context x head size, in MiB.

@@ -201,6 +201,20 @@ def test_decode_ctas_take_many_items(cache_format, head_size, layout, window, so
     assert_within(inputs.run(), inputs.reference(), "many items per CTA")
 
 
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_decode_batch_padded_with_rows_of_length_0(block_size):
+    """A CUDA-graph batch as a server pads it: three sequences (two long enough to split), then 125 rows of
+    length 0, which are the queue's last items; every KV head and split of the real rows lands where it
+    belongs, and the padding rows get zeros."""
+    inputs = make_paged_attention_inputs(
+        seq_lens=[5000, 300, 7000] + [0] * 125, q_lens=None, num_heads=8, num_kv_heads=2, head_size=128,
+        block_size=block_size, cache_format="e4m3fn", query_dtype=torch.bfloat16, per_head_scales=True, seed=5,
+        device="cuda")
+    out = inputs.run()
+    assert_within(out, inputs.reference(), f"padded batch, block_size {block_size}")
+    assert not out[3:].count_nonzero()
+
+
 def relative_error(inputs) -> float:
     out, reference = inputs.run(), inputs.reference()
     assert_within(out, reference, f"seq_len {inputs.seq_lens.tolist()}")
