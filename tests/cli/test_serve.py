@@ -56,6 +56,8 @@ KV_CACHE_GIB = 0.01
 # Large scales put K and V among e4m3's subnormals: answers differ from a cache with scale 1.0.
 K_SCALE, V_SCALE = 16.0, 8.0
 STARTUP_S, STOP_S = 120, 30
+# On a GPU shared with a parallel test run (pytest -n 16 -m gpu) a server took more than 120 s to start.
+CUDA_STARTUP_S = 600
 PROMPTS = ["w5 w6 w7", "w40 w2 w33 w19 w8", "w11", "w58 w57 w56 w55 w54 w53 w52"]
 MAX_TOKENS = 12
 
@@ -119,8 +121,8 @@ class Server:
     """`python -m fp8kv serve` on a free loopback port (--port 0, the start-up line gives it), ready
     once /health answers; `name` is the model's name for the clients (--model as given)."""
 
-    def __init__(self, checkpoint, log_path, device: str = "cpu"):
-        self.name = str(checkpoint)
+    def __init__(self, checkpoint, log_path, device: str = "cpu", startup_s: float = STARTUP_S):
+        self.name, self.startup_s = str(checkpoint), startup_s
         self.log = open(log_path, "w+")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: one thread, no synchronization
         self.process = subprocess.Popen(
@@ -132,24 +134,24 @@ class Server:
         assert match, self.startup_line
         self.port = int(match[1])
         self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0,
-                                    timeout=STARTUP_S)
+                                    timeout=self.startup_s)
         self._wait_until_healthy()
 
     def _first_line(self) -> str:
         lines = queue.Queue()
         threading.Thread(target=lambda: lines.put(self.process.stdout.readline()), daemon=True).start()
         try:
-            line = lines.get(timeout=STARTUP_S)
+            line = lines.get(timeout=self.startup_s)
         except queue.Empty:
-            pytest.fail(f"no start-up line in {STARTUP_S} s: {self.stderr()}")
+            pytest.fail(f"no start-up line in {self.startup_s} s: {self.stderr()}")
         assert line, f"the server exited with status {self.process.wait()}: {self.stderr()}"
         return line
 
     def _wait_until_healthy(self) -> None:
-        deadline = time.monotonic() + STARTUP_S
+        deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=STARTUP_S) as response:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=self.startup_s) as response:
                     assert json.load(response) == {"status": "ok"}
                     return
             except ConnectionError:  # bound, not listening yet
@@ -158,7 +160,7 @@ class Server:
                 if not isinstance(e.reason, ConnectionError):
                     raise
                 time.sleep(0.1)
-        pytest.fail(f"/health did not answer in {STARTUP_S} s: {self.stderr()}")
+        pytest.fail(f"/health did not answer in {self.startup_s} s: {self.stderr()}")
 
     def chat(self, prompt: str, stream: bool = False) -> tuple[str, str]:
         """(answer, finish reason) of a chat completion, streamed or not."""
@@ -440,7 +442,7 @@ def test_on_cuda_the_server_answers_from_cuda_graphs_as_generate_does(tmp_path):
     # Weights spread 5x (initializer_range 0.1) so that the best two logits are mostly apart by more than
     # NEAR_TIE_FP8 (with transformers' default 0.02 nearly every step of this tiny model is a near tie).
     checkpoint = write_checkpoint(tmp_path / "spread", initializer_range=0.1)
-    served = Server(checkpoint, tmp_path / "server.log", device="cuda")
+    served = Server(checkpoint, tmp_path / "server.log", device="cuda", startup_s=CUDA_STARTUP_S)
     try:
         assert "bfloat16 on cuda" in served.startup_line and served.startup_line.rstrip().endswith("on cuda:0"), \
             served.startup_line
