@@ -136,7 +136,7 @@ def test_write_and_amax_byte_counts():
     assert write.default_shapes()[2].label == "Llama-3-8B write 128k tokens from fused QKV"
 
 
-@pytest.mark.parametrize("pattern,count", [("bs64", 7), ("70B", 1), ("B1 x", 4), (None, 18)])
+@pytest.mark.parametrize("pattern,count", [("bs64", 7), ("70B", 1), ("B1 x", 4), ("empty", 1), (None, 19)])
 def test_shape_filter(pattern, count):
     assert len(common.select_shapes(decode.default_shapes(), pattern)) == count
 
