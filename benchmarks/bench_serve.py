@@ -294,19 +294,21 @@ def serve_offline(manager, requests: list[Request], window: ProfileWindow | None
            for r in requests]
     submitted = time.perf_counter()
     results = {}
-    while len(results) < len(ids):
-        wait = 1.0 if window is None else min(1.0, window.advance(time.perf_counter() - submitted))
-        result = manager.get_result(timeout=wait)
-        if result is None:
-            if not manager.is_running():
-                raise RuntimeError("transformers' generation thread stopped before the stream was served")
-            continue
-        if result.error is not None:
-            raise RuntimeError(f"request {result.request_id} failed: {result.error}")
-        if result.is_finished():
-            results[result.request_id] = result
-    if window is not None:
-        window.stop()
+    try:
+        while len(results) < len(ids):
+            wait = 1.0 if window is None else min(1.0, window.advance(time.perf_counter() - submitted))
+            result = manager.get_result(timeout=wait)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' generation thread stopped before the stream was served")
+                continue
+            if result.error is not None:
+                raise RuntimeError(f"request {result.request_id} failed: {result.error}")
+            if result.is_finished():
+                results[result.request_id] = result
+    finally:  # a failed stream leaves no profiler running for the next system's
+        if window is not None:
+            window.stop()
     ordered = [results[request_id] for request_id in ids]
     token_times = [result.timestamps for result in ordered]
     return [result.created_time for result in ordered], token_times, max(times[-1] for times in token_times)
