@@ -94,20 +94,34 @@ def checkpoint(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("served") / "tiny")
 
 
+def greedy_generation(checkpoint, device: str = "cpu"):
+    """generate(prompt, kv_cache=the checkpoint's, **generate_kwargs): (prompt length, output) of `generate`'s
+    greedy answer to the chat `prompt` on a PagedCache, with the checkpoint's model loaded once on `device`."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
+    model = enable(load_causal_lm(checkpoint, torch.bfloat16, progress=False).to(device).eval())
+    served_cache = load_kv_cache_config(checkpoint, "fp8")
+
+    def generate(prompt: str, kv_cache: KVCacheConfig | None = None, **generate_kwargs):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_dict=True, return_tensors="pt")["input_ids"].to(device)
+        cache = PagedCache(kv_cache or served_cache, max_tokens=ids.shape[1] + MAX_TOKENS)
+        return ids.shape[1], model.generate(ids, **cache_argument(model, cache), max_new_tokens=MAX_TOKENS,
+                                            do_sample=False, **generate_kwargs)
+
+    generate.tokenizer = tokenizer
+    return generate
+
+
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     """answer(prompt, kv_cache=the checkpoint's): (text, finish reason) of `generate`'s greedy answer on a
     PagedCache: "stop" where it ends with the EOS token, else "length"."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
-    model = enable(load_causal_lm(checkpoint, torch.bfloat16, progress=False).eval())
-    served_cache = load_kv_cache_config(checkpoint, "fp8")
+    generate = greedy_generation(checkpoint)
+    tokenizer = generate.tokenizer
 
-    def answer(prompt: str, kv_cache: KVCacheConfig = served_cache) -> tuple[str, str]:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            return_dict=True, return_tensors="pt")["input_ids"]
-        cache = PagedCache(kv_cache, max_tokens=ids.shape[1] + MAX_TOKENS)
-        out = model.generate(ids, **cache_argument(model, cache), max_new_tokens=MAX_TOKENS, do_sample=False)
-        new = out[0, ids.shape[1]:]
+    def answer(prompt: str, kv_cache: KVCacheConfig | None = None) -> tuple[str, str]:
+        prompt_len, out = generate(prompt, kv_cache)
+        new = out[0, prompt_len:]
         finish = "stop" if new[-1] == tokenizer.eos_token_id else "length"
         return tokenizer.decode(new, skip_special_tokens=True), finish
 
@@ -422,17 +436,11 @@ def test_cuda_steps_run_in_graphs_and_asynchronously_unless_eager_is_enforced(ch
 NEAR_TIE_FP8 = 0.5
 
 
-def generated_words(checkpoint, prompt: str, device: str) -> tuple[list[str], list[float]]:
-    """`generate`'s greedy answer on a PagedCache on `device` (its words, then "<eos>" where it stopped there)
-    and the gap between the best two logits at each step."""
-    tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
-    model = enable(load_causal_lm(checkpoint, torch.bfloat16, progress=False).to(device).eval())
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                        return_dict=True, return_tensors="pt")["input_ids"].to(device)
-    cache = PagedCache(load_kv_cache_config(checkpoint, "fp8"), max_tokens=ids.shape[1] + MAX_TOKENS)
-    out = model.generate(ids, **cache_argument(model, cache), max_new_tokens=MAX_TOKENS, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True)
-    words = tokenizer.convert_ids_to_tokens(out.sequences[0, ids.shape[1]:].tolist())
+def generated_words(generate, prompt: str) -> tuple[list[str], list[float]]:
+    """The greedy answer of greedy_generation's `generate` (its words, then "<eos>" where it stopped there) and
+    the gap between the best two logits at each step."""
+    prompt_len, out = generate(prompt, output_scores=True, return_dict_in_generate=True)
+    words = generate.tokenizer.convert_ids_to_tokens(out.sequences[0, prompt_len:].tolist())
     best_two = [scores[0].float().topk(2).values for scores in out.scores]
     return words, [float(best - second) for best, second in best_two]
 
@@ -451,7 +459,8 @@ def test_on_cuda_the_server_answers_from_cuda_graphs_as_generate_does(tmp_path):
             answers = list(pool.map(lambda request: served.chat(*request), requests))
     finally:
         served.close()
-    expected = {prompt: generated_words(checkpoint, prompt, "cuda") for prompt in PROMPTS}
+    generate = greedy_generation(checkpoint, "cuda")
+    expected = {prompt: generated_words(generate, prompt) for prompt in PROMPTS}
     # The answers come back as text, which leaves out <bos> and <unk>: the reference must not generate them.
     assert not any({"<bos>", "<unk>"} & set(words) for words, _ in expected.values()), expected
     clear = sum(margin > NEAR_TIE_FP8 for _, margins in expected.values() for margin in margins)
