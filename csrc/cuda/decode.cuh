@@ -557,6 +557,12 @@ __device__ __forceinline__ void merge_warps_and_write(const PagedAttentionParams
   }
 }
 
+// The item a CTA takes after its current one: from the queue when there are more items than CTAs (a
+// CTA's first item is its own index), else none (queue.items), and the counter is not touched.
+__device__ __forceinline__ int claim_item(const WorkQueue& queue) {
+  return queue.items > static_cast<int>(gridDim.x) ? gridDim.x + atomicAdd(queue.taken, 1) : queue.items;
+}
+
 template <DType C, int D>
 __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
     decode_kernel(const PagedAttentionParams p, SplitWorkspace ws, WorkQueue queue) {
@@ -577,7 +583,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
   ItemIndex at = item_index(p, ws.num_splits, blockIdx.x);
   int buffer = 0;
   int ticket = 0;  // thread 0: the item after the next one
-  if (threadIdx.x == 0) ticket = gridDim.x + atomicAdd(queue.taken, 1);
+  if (threadIdx.x == 0) ticket = claim_item(queue);
   prefetch_item(p, queue, at, slices, &shared.seq_len[0]);
   copy_async_commit();
   copy_async_wait<0>();
@@ -656,7 +662,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
     if (has_next) {
       at = next_at;
       buffer ^= 1;
-      if (threadIdx.x == 0) ticket = gridDim.x + atomicAdd(queue.taken, 1);
+      if (threadIdx.x == 0) ticket = claim_item(queue);
       begin_item();  // its tiles and query are in flight during the merge
     }
     merge_warps_and_write<C, D>(p, ws, done_split, done, done_rows, query_bf16, g, t, warp, st, smem, shared);
@@ -679,10 +685,15 @@ cudaError_t launch_head(const PagedAttentionParams& p, const AttentionPlan& plan
   const int64_t items = plan.row_chunks * plan.num_splits * p.num_kv_heads;
   const WorkQueue queue{taken, static_cast<int>(items), plan.split_tokens,
                         pages_bytes(plan, p.block_size) / 4};
-  const cudaError_t status = cudaMemsetAsync(taken, 0, sizeof(int), stream);
-  if (status != cudaSuccess) return status;
-  const auto ctas = static_cast<unsigned>(std::min(items, plan.ctas));
-  decode_kernel<C, D><<<ctas, kThreads, launch_smem_bytes<C, D>(plan, p.block_size), stream>>>(p, ws, queue);
+  const int64_t ctas = std::min(items, plan.ctas);
+  // The counter is used only when the items outnumber the CTAs: a call of one wave has no memset (a
+  // node before the kernel in a CUDA graph, 0.6-1.0 us of a replay: perf_notes.md, section 8).
+  if (items > ctas) {
+    const cudaError_t status = cudaMemsetAsync(taken, 0, sizeof(int), stream);
+    if (status != cudaSuccess) return status;
+  }
+  decode_kernel<C, D><<<static_cast<unsigned>(ctas), kThreads, launch_smem_bytes<C, D>(plan, p.block_size), stream>>>(
+      p, ws, queue);
   return merge::after_attention(p, ws, stream);
 }
 

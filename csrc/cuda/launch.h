@@ -31,7 +31,7 @@ inline cudaError_t after_attention(const PagedAttentionParams& p, const SplitWor
 // the kernel's resident CTAs per SM on the current device (0 on error or for an unsupported head
 // size); the decode kernel's depends on the plan's split size (its block-table slices).
 namespace decode {
-// `taken`: the work queue's counter (zeroed by the launch).
+// `taken`: the work queue's counter (zeroed by the launch where it is used).
 template <DType C>
 cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws, int* taken,
                    cudaStream_t stream);

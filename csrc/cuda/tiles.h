@@ -31,11 +31,11 @@ constexpr int kThreads = kMaxSplits;
 
 namespace decode {
 // The decode kernel's work items, (row chunk, split, KV head) with the KV head fastest and the row chunk
-// (sequence) slowest: CTA b first takes item b, then item gridDim.x + atomicAdd(taken, 1) (`taken` is
-// zeroed before the launch). Sequence-major, so that a batch's trailing sequences of length 0 (the
-// padding of a CUDA-graph batch) are the queue's last items: a CTA claims its next item when it starts
-// the current one, so empty items interleaved with real ones would bind real items to CTAs still busy
-// with their first.
+// (sequence) slowest: CTA b first takes item b, then, when there are more items than CTAs, item
+// gridDim.x + atomicAdd(taken, 1) (`taken` is then zeroed before the launch). Sequence-major, so that
+// a batch's trailing sequences of length 0 (the padding of a CUDA-graph batch) are the queue's last
+// items: a CTA claims its next item when it starts the current one, so empty items interleaved with
+// real ones would bind real items to CTAs still busy with their first.
 struct WorkQueue {
   int* taken;
   int items;
