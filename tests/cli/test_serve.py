@@ -56,6 +56,9 @@ KV_CACHE_GIB = 0.01
 # Large scales put K and V among e4m3's subnormals: answers differ from a cache with scale 1.0.
 K_SCALE, V_SCALE = 16.0, 8.0
 STARTUP_S, STOP_S = 120, 30
+# `python -m fp8kv` in a process whose SIGINT is ignored before fp8kv starts (the arguments follow).
+IGNORING_SIGINT = ("import runpy, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                   "runpy.run_module('fp8kv', run_name='__main__', alter_sys=True)")
 # On a GPU shared with a parallel test run (pytest -n 16 -m gpu) a server took more than 120 s to start.
 CUDA_STARTUP_S = 600
 PROMPTS = ["w5 w6 w7", "w40 w2 w33 w19 w8", "w11", "w58 w57 w56 w55 w54 w53 w52"]
@@ -135,12 +138,16 @@ class Server:
     """`python -m fp8kv serve` on a free loopback port (--port 0, the start-up line gives it), ready
     once /health answers; `name` is the model's name for the clients (--model as given)."""
 
-    def __init__(self, checkpoint, log_path, device: str = "cpu", startup_s: float = STARTUP_S):
+    def __init__(self, checkpoint, log_path, device: str = "cpu", startup_s: float = STARTUP_S,
+                 sigint_ignored: bool = False):
         self.name, self.startup_s = str(checkpoint), startup_s
         self.log = open(log_path, "w+")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: one thread, no synchronization
+        # sigint_ignored: the process runs with SIGINT ignored from its start, as a background job of a
+        # non-interactive shell does (the disposition it inherits).
+        start = ["-c", IGNORING_SIGINT] if sigint_ignored else ["-m", "fp8kv"]
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "fp8kv", "serve", "--model", self.name, "--port", "0", "--device", device,
+            [sys.executable, *start, "serve", "--model", self.name, "--port", "0", "--device", device,
              "--kv-cache-memory", str(KV_CACHE_GIB)],
             stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         self.startup_line = self._first_line()
@@ -205,8 +212,9 @@ def server(checkpoint, tmp_path_factory):
 
 
 @pytest.fixture
-def fresh_server(checkpoint, tmp_path):
-    served = Server(checkpoint, tmp_path / "server.log")
+def fresh_server(checkpoint, tmp_path, request):
+    """A server of its own; `request.param` (indirect parametrization): whether it starts with SIGINT ignored."""
+    served = Server(checkpoint, tmp_path / "server.log", sigint_ignored=getattr(request, "param", False))
     yield served
     served.close()
 
@@ -273,7 +281,10 @@ def test_settings_the_worker_would_not_apply_are_refused(server, setting, asked)
 # ----------------------------------------------------------------------------- stopping
 
 
-@pytest.mark.parametrize("sent, status", [(signal.SIGINT, 130), (signal.SIGTERM, -signal.SIGTERM)])
+@pytest.mark.parametrize("sent, status, fresh_server", [
+    (signal.SIGINT, 130, False), (signal.SIGTERM, -signal.SIGTERM, False),
+    (signal.SIGINT, 130, True),  # started with SIGINT ignored: uvicorn stops on it all the same
+], indirect=["fresh_server"], ids=["SIGINT", "SIGTERM", "SIGINT-started-ignored"])
 def test_a_signal_stops_the_server_after_the_answers_in_flight(fresh_server, reference, sent, status):
     """The signal arrives once a streamed answer has started (its first chunk, the role, is sent before
     any token): the answer still comes whole, then the process ends and its port is free again."""

@@ -110,7 +110,10 @@ def run(args: argparse.Namespace) -> int:
     server = Server(args.model, model, tokenizer, batching)
     # uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again: SIGINT as
     # KeyboardInterrupt, SIGTERM through this handler, so that the worker stops before the process ends.
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    # Python's SIGINT handler is set even where the process started with SIGINT ignored (a background job
+    # of a non-interactive shell): uvicorn stops on SIGINT anyway, and the exit status says so.
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler),
+                signal.SIGTERM: signal.signal(signal.SIGTERM, _raise_terminated)}
     status, terminated = 0, False
     try:
         pages = continuous_batching.describe(server.start_worker()).removeprefix("fp8kv: ")
@@ -125,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         terminated = True
     finally:
         server.stop_worker()
-        signal.signal(signal.SIGTERM, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
     print("fp8kv serve: stopped", flush=True)
     if terminated:
         signal.raise_signal(signal.SIGTERM)  # ends the process as SIGTERM asks (where its handler is the default)
