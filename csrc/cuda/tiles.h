@@ -44,7 +44,8 @@ struct WorkQueue {
 };
 
 constexpr int kWarps = 4;         // 8 warps only helped batch 1; 4 leaves room for 4 CTAs per SM
-// Tiles staged per warp: more fit fewer CTAs per SM and were slower (perf_notes.md, section 4).
+// Tiles staged per warp: more fit fewer CTAs per SM and were slower (perf_notes.md, section 4), and
+// slower also where the grid has only two CTAs per SM (section 9).
 constexpr int kMaxStages = 2;
 // Register cap: four CTAs per SM for head sizes up to 128, whose persistent loop fits 128 registers
 // without spills (perf_notes.md, section 6); larger heads spill under that cap, and capping for 5-6
