@@ -120,7 +120,9 @@ def test_prefill_shapes():
     one = lambda kind: [(g.batch, g.q_len, g.seq_len) for g in shapes[kind].groups]
     assert one("prefill") == [(4, 4096, 4096)]
     assert one("chunked prefill") == [(8, 512, 8704)]
-    assert one("verify") == [(64, 4, 4100)]
+    verify = [s for s in prefill.default_shapes() if s.kind == "verify"]
+    assert [[(g.batch, g.q_len, g.seq_len) for g in s.groups] for s in verify] == [[(64, q, 4096 + q)] for q in (2, 4, 8)]
+    assert [s.label for s in verify] == [f"Llama-3-8B verify B64 x {q} over 4k" for q in (2, 4, 8)]
     assert one("mixed") == [(64, 1, 4097), (2, 2048, 2048)]
     assert shapes["chunked prefill"].label == "Llama-3-8B chunked prefill B8 x 512 over 8k"
     mixed = shapes["mixed"]
@@ -933,16 +935,17 @@ def synthetic_prefill_row(kind, fp8_us, flash_us, fi_us=None, decode_us=None, be
     return row
 
 
-@pytest.mark.parametrize("kind,fp8_us,flash_us,fi_us,decode_us,expected", [
-    ("prefill", 100.0, 101.0, 131.0, None, (True, True)),
-    ("chunked prefill", 100.0, 99.0, 129.0, None, (False, False)),
-    ("mixed", 100.0, 100.0, None, None, (True, None)),
-    ("verify", 110.0, 500.0, 150.0, 100.0, (True, True, True)),
-    ("verify", 111.0, 500.0, 150.0, 100.0, (True, True, False)),
+@pytest.mark.parametrize("kind,fp8_us,flash_us,best_sdpa_us,fi_us,decode_us,expected", [
+    ("prefill", 100.0, 101.0, 50.0, 131.0, None, (True, False, True)),
+    ("prefill", 100.0, 101.0, 100.0, 131.0, None, (True, True, True)),
+    ("chunked prefill", 100.0, 99.0, 98.0, 129.0, None, (False, False, False)),
+    ("mixed", 100.0, 100.0, 50.0, None, None, (True, False, None)),
+    ("verify", 110.0, 500.0, 50.0, 150.0, 100.0, (True, False, True, True)),
+    ("verify", 111.0, 500.0, 50.0, 150.0, 100.0, (True, False, True, False)),
 ])
-def test_prefill_targets(kind, fp8_us, flash_us, fi_us, decode_us, expected):
-    row = synthetic_prefill_row(kind, fp8_us, flash_us, fi_us, decode_us, best_sdpa_us=50.0)
-    names = [">=1.0xSDPAflash", "FI>=1.3x"] + (["<=1.1xdecode"] if kind == "verify" else [])
+def test_prefill_targets(kind, fp8_us, flash_us, best_sdpa_us, fi_us, decode_us, expected):
+    row = synthetic_prefill_row(kind, fp8_us, flash_us, fi_us, decode_us, best_sdpa_us=best_sdpa_us)
+    names = [">=1.0xSDPAflash", ">=1.0xSDPA", "FI>=1.3x"] + (["<=1.1xdecode"] if kind == "verify" else [])
     assert row["targets"] == dict(zip(names, expected)) | {"err<=1e-2": True, "rot+c<=1.05xplain": None,
                                                             "rot+c_err<=1e-2": None}
     s = row["summary"]
