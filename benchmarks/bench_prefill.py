@@ -19,9 +19,8 @@ column. fp8kv is judged on the CUDA-graph time of its faster storage; a baseline
 faster of its launch and graph times. Targets (PASS/MISS): every shape: throughput >= 1.0x bf16
 SDPA flash (its faster form), >= 1.0x the fastest bf16 SDPA form of the run (cuDNN where it runs),
 and FlashInfer's FP8 prefill time >= 1.3x fp8kv's; verification: time <= 1.1x fp8kv's decode on the
-same cache; relative error <= 1e-2; every shape: the rotated + centred
-recipe's time (CUDA graph, its faster storage) <= 1.05x the plain recipe's, and its relative error
-<= 1e-2.
+same cache; relative error <= 1e-2; every shape: the rotated + centred recipe's time (CUDA graph,
+its faster storage) <= 1.05x the plain recipe's, and its relative error <= 1e-2.
 """
 
 from __future__ import annotations

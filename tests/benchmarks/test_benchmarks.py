@@ -115,13 +115,15 @@ def test_attention_flops_counts_visible_keys(batch, q_len, seq_len):
 
 
 def test_prefill_shapes():
-    shapes = {s.kind: s for s in prefill.default_shapes()}
+    listed = prefill.default_shapes()
+    shapes = {s.kind: s for s in listed}
     assert set(shapes) == {"prefill", "chunked prefill", "verify", "mixed"}
-    one = lambda kind: [(g.batch, g.q_len, g.seq_len) for g in shapes[kind].groups]
+    groups = lambda shape: [(g.batch, g.q_len, g.seq_len) for g in shape.groups]
+    one = lambda kind: groups(shapes[kind])
     assert one("prefill") == [(4, 4096, 4096)]
     assert one("chunked prefill") == [(8, 512, 8704)]
-    verify = [s for s in prefill.default_shapes() if s.kind == "verify"]
-    assert [[(g.batch, g.q_len, g.seq_len) for g in s.groups] for s in verify] == [[(64, q, 4096 + q)] for q in (2, 4, 8)]
+    verify = [s for s in listed if s.kind == "verify"]
+    assert [groups(s) for s in verify] == [[(64, q, 4096 + q)] for q in (2, 4, 8)]
     assert [s.label for s in verify] == [f"Llama-3-8B verify B64 x {q} over 4k" for q in (2, 4, 8)]
     assert one("mixed") == [(64, 1, 4097), (2, 2048, 2048)]
     assert shapes["chunked prefill"].label == "Llama-3-8B chunked prefill B8 x 512 over 8k"
