@@ -28,7 +28,8 @@ except continuous_batching.UnsupportedTransformersError as e:
 from safetensors.torch import save_file  # noqa: E402
 from transformers import CompileConfig, ContinuousBatchingConfig, GenerationConfig  # noqa: E402
 from transformers.generation.continuous_batching import cache as transformers_cache  # noqa: E402
-from transformers.generation.continuous_batching import continuous_api, initialization  # noqa: E402
+from transformers.generation.continuous_batching import continuous_api, initialization, input_outputs  # noqa: E402
+from transformers.generation.continuous_batching import model_runner  # noqa: E402
 
 from fp8kv import load_kv_cache_config  # noqa: E402
 from fp8kv.evaluate.caches import kv_cache_configs  # noqa: E402
@@ -376,7 +377,9 @@ def test_other_bad_arguments_are_refused():
 HOOKED = [(transformers_cache.PagedAttentionCache, "__init__"), (transformers_cache.PagedAttentionCache, "update"),
           (transformers_cache.PagedAttentionMemoryHandler, "__init__"),
           (continuous_api.ContinuousBatchingManager, "switch_to_cb_friendly_attn"),
-          (initialization, "ensure_decode_fast_path_is_available")]
+          (input_outputs.ContinuousBatchingIOs, "get_model_kwargs"),
+          (input_outputs.ContinuousBatchingAsyncIOs, "get_model_kwargs"),
+          (initialization, "ensure_decode_fast_path_is_available")]  # last: the signature test deletes it
 
 
 def hooked_functions(hooked=HOOKED) -> list:
@@ -442,6 +445,56 @@ def test_the_hooks_are_installed_once_and_serve_each_enabled_model_its_own_pages
         assert_same_as_reference(model, config, prompts, generate_batch(model, prompts))
     assert [cache.cache_allocators["full_attention"].cache_dtype for cache, _ in reports] == [
         torch.bfloat16, torch.float8_e5m2]
+
+
+class RecordingStream:
+    """A stream that records what it is made to wait for."""
+
+    def __init__(self, log: list):
+        self.device, self.log = torch.device("cuda", 0), log
+
+    def wait_stream(self, other) -> None:
+        self.log.append(("waits for", other))
+
+
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("served", [True, False], ids=["fp8kv's cache", "another cache"])
+def test_the_stream_that_reads_the_inputs_waits_for_the_current_stream_first(asynchronous, served, monkeypatch):
+    # transformers resets the device inputs on the current stream and then fills them on another: the
+    # asynchronous inputs' transfer stream copies a step into them, the synchronous inputs' compute stream
+    # reads them. Before each step's inputs are handed over, that stream waits for the current one (for
+    # the caches fp8kv serves; transformers' own are left as they are). On any machine: the streams are
+    # stand-ins (tests/integrations/test_continuous_batching.py::test_a_late_reset_of_the_inputs_... runs
+    # the real ones on CUDA).
+    continuous_batching.install_hooks()
+    log = []
+    cache = type("Cache", (), {})()
+    if served:
+        monkeypatch.setitem(continuous_batching._CACHES, cache, None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("current stream of", device))
+    stream = RecordingStream(log)
+    if asynchronous:
+        inputs = object.__new__(input_outputs.ContinuousBatchingAsyncIOs)
+        device_inputs = type("DeviceInputs", (), {"cache": cache})()
+        inputs.io_pairs, inputs.h2d_stream = [type("Pair", (), {"device_io": device_inputs})()] * 2, stream
+    else:
+        inputs = object.__new__(input_outputs.ContinuousBatchingIOs)
+        inputs.cache, inputs.compute_stream = cache, stream
+    hooked = continuous_batching._ordering_reads_after_resets(lambda self, use_padding: log.append(
+        ("inputs handed over", use_padding)) or "kwargs")
+    assert hooked(inputs, use_padding=True) == "kwargs"
+    waited = [("waits for", ("current stream of", stream.device))] if served else []
+    assert log == waited + [("inputs handed over", True)]
+
+
+def test_the_inputs_of_the_host_have_no_stream_to_order(monkeypatch):
+    continuous_batching.install_hooks()
+    cache = type("Cache", (), {})()
+    monkeypatch.setitem(continuous_batching._CACHES, cache, None)
+    inputs = object.__new__(input_outputs.ContinuousBatchingIOs)
+    inputs.cache, inputs.compute_stream = cache, None  # transformers' inputs on the host
+    hooked = continuous_batching._ordering_reads_after_resets(lambda self, use_padding: "kwargs")
+    assert hooked(inputs, use_padding=False) == "kwargs"
 
 
 def transformers_own_tokens(enable_another_model_first: bool) -> list:
@@ -545,6 +598,44 @@ def test_generate_batch_on_each_device(device, cache_name, page, cuda_graphs, st
         assert replays
     else:
         assert not replays
+
+
+def test_a_late_reset_of_the_inputs_does_not_reach_a_step(device, monkeypatch):
+    # transformers resets its device inputs with kernels on the current stream (when it makes them and
+    # when a generation starts), copies each step into them on its transfer stream, and its compute
+    # stream waits for that copy only. Here every reset starts about 50 ms late on the device and the
+    # step after it about 300 ms late (sleeps queued before them), so that a reset not ordered before
+    # the copy lands between the copy and the step that reads it, as it did now and then on a busy GPU
+    # (the first step then ran on zeroed tokens); the tokens stay the reference's.
+    if device == "cpu":
+        pytest.skip("the inputs' streams are CUDA streams")
+    reset, compute = input_outputs.ContinuousBatchingIOs._reset_static_tensors, model_runner.ModelRunner.compute_batch
+    reset_pending = []
+
+    def late_reset(self, *args, **kwargs):
+        if self.device.type == "cuda":
+            torch.cuda._sleep(100_000_000)  # clock cycles: about 50 ms on an H100
+            reset_pending.append(True)
+        return reset(self, *args, **kwargs)
+
+    def late_step(self, model, batch_data):
+        if reset_pending:
+            reset_pending.clear()
+            with torch.cuda.stream(self.inputs_and_outputs.compute_stream):
+                torch.cuda._sleep(600_000_000)  # about 300 ms
+        return compute(self, model, batch_data)
+
+    monkeypatch.setattr(input_outputs.ContinuousBatchingIOs, "_reset_static_tensors", late_reset)
+    monkeypatch.setattr(model_runner.ModelRunner, "compute_batch", late_step)
+    model = tiny_model()
+    config = kv_cache(model, "auto")
+    enable_continuous_batching(model.to(device), config)
+    prompts = random_prompts([5, 9, 40, 23])
+    expected = [reference(model, config, prompt) for prompt in prompts]
+    outputs = generate_batch(model, prompts, use_cuda_graph=True, use_async_batching=True, return_logprobs=False)
+    for (tokens, _, margins), output in zip(expected, outputs):
+        differ = [i for i, (got, want) in enumerate(zip(output.generated_tokens, tokens)) if got != want]
+        assert not differ or margins[differ[0]] <= NEAR_TIE, (output.request_id, differ, margins)
 
 
 def test_cuda_graph_capture_derives_the_step_indices_inside_the_graph(monkeypatch):

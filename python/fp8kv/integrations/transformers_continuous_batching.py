@@ -11,7 +11,7 @@ attention function (the "fp8kv" attention of fp8kv.integrations.transformers) wr
 new K/V into their pages with `fp8kv.ops.reshape_and_cache`, its slots being transformers' write
 indices (which count rows of the page views), and attends over the pages with
 `fp8kv.ops.paged_attention`, over transformers' own block table on the decode fast path and over
-tables derived from its read indices otherwise. Five private parts of transformers are hooked, for
+tables derived from its read indices otherwise. Six private parts of transformers are hooked, for
 models enabled here only:
 
 - `PagedAttentionCache.__init__` runs with the cache's storage dtype: transformers then sizes its
@@ -25,7 +25,10 @@ models enabled here only:
   nothing: it hands the cache to the attention function, as earlier versions do;
 - `ContinuousBatchingManager.switch_to_cb_friendly_attn` accepts fp8kv's attention;
 - `ensure_decode_fast_path_is_available` keeps the decode fast path, which transformers opens to
-  flash attention on CUDA only and fp8kv's kernels run on every device.
+  flash attention on CUDA only and fp8kv's kernels run on every device;
+- `get_model_kwargs` of the device inputs (`ContinuousBatchingIOs`, `ContinuousBatchingAsyncIOs`)
+  first makes the stream that reads them next wait for the current stream: see
+  _ordering_reads_after_resets.
 
 Under tensor parallelism (a model loaded with tp_plan="auto"), each rank's pages and attention hold its
 own KV heads: `rank_kv_cache` gives the rank its scales and K offsets, by the mesh and plan of
@@ -99,6 +102,8 @@ _PARAMETERS = {
     "DistributedHelper.__init__": ("self", "device_mesh", "cpu_group_timeout", "tp_plan"),
     "DistributedHelper.extract_tp_mesh": ("device_mesh",),
     "DistributedHelper.are_kv_heads_tp_ed": ("self",),
+    "ContinuousBatchingIOs.get_model_kwargs": ("self", "use_padding"),
+    "ContinuousBatchingAsyncIOs.get_model_kwargs": ("self", "use_padding"),
 }
 # The keyword arguments of a continuous-batching forward that fp8kv's attention reads.
 _STEP_ARGUMENTS = ("cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_k", "write_index", "read_index",
@@ -107,6 +112,10 @@ _STEP_ARGUMENTS = ("cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_k", "w
 _MEMORY_RESERVES = ("activation_dtype", "num_attention_masks", "kv_heads_at_peak")
 # The ContinuousBatchingConfig settings fp8kv reads (the last three: whether transformers pads the steps).
 _BATCHING_SETTINGS = ("page_size", "cuda_graph_booleans", "varlen_compile_config", "decode_compile_config")
+# The attributes that the inputs' __init__ sets and _ordering_reads_after_resets reads: the cache, and the
+# stream reading the device inputs next (the synchronous inputs' compute stream, the asynchronous ones' transfer).
+_INPUTS_ATTRIBUTES = ("cache", "compute_stream")
+_ASYNC_INPUTS_ATTRIBUTES = ("io_pairs", "h2d_stream")
 
 
 class _Transformers:
@@ -128,6 +137,8 @@ class _Transformers:
         self.distributed_helper = distributed.DistributedHelper
         self.memory_handler = cache.PagedAttentionMemoryHandler
         self.manager = continuous_api.ContinuousBatchingManager
+        self.inputs = input_outputs.ContinuousBatchingIOs
+        self.async_inputs = input_outputs.ContinuousBatchingAsyncIOs
         self.full_attention = getattr(cache_allocators, "FULL_ATTENTION", None)
         functions = {
             "PagedAttentionCache.__init__": cache.PagedAttentionCache.__init__,
@@ -144,6 +155,8 @@ class _Transformers:
             "DistributedHelper.__init__": self.distributed_helper.__init__,
             "DistributedHelper.extract_tp_mesh": getattr(self.distributed_helper, "extract_tp_mesh", None),
             "DistributedHelper.are_kv_heads_tp_ed": getattr(self.distributed_helper, "are_kv_heads_tp_ed", None),
+            "ContinuousBatchingIOs.get_model_kwargs": getattr(self.inputs, "get_model_kwargs", None),
+            "ContinuousBatchingAsyncIOs.get_model_kwargs": getattr(self.async_inputs, "get_model_kwargs", None),
         }
         problems = [_signature_problem(name, functions[name], expected) for name, expected in _PARAMETERS.items()]
         step_arguments = getattr(input_outputs, "PagedAttentionArgs", dict).__annotations__
@@ -151,6 +164,9 @@ class _Transformers:
         problems.append(_missing("ContinuousBatchingConfig", _BATCHING_SETTINGS, dir(ContinuousBatchingConfig)))
         problems.append(_missing("PagedAttentionMemoryHandler.__init__", _MEMORY_RESERVES,
                                  inspect.unwrap(self.memory_handler.__init__).__code__.co_names))
+        for inputs, attributes in ((self.inputs, _INPUTS_ATTRIBUTES), (self.async_inputs, _ASYNC_INPUTS_ATTRIBUTES)):
+            problems.append(_missing(f"{inputs.__name__}.__init__", attributes,
+                                     inspect.unwrap(inputs.__init__).__code__.co_names))
         if self.full_attention != "full_attention":
             problems.append(f"cache_allocators.FULL_ATTENTION is {self.full_attention!r}, not 'full_attention'")
         problems = [p for p in problems if p]
@@ -196,6 +212,8 @@ def install_hooks() -> None:
     checked.manager.switch_to_cb_friendly_attn = _accepting_fp8kv_attention(checked.manager.switch_to_cb_friendly_attn)
     checked.initialization.ensure_decode_fast_path_is_available = _keeping_decode_fast_path(
         checked.initialization.ensure_decode_fast_path_is_available)
+    for inputs in (checked.inputs, checked.async_inputs):
+        inputs.get_model_kwargs = _ordering_reads_after_resets(inputs.get_model_kwargs)
     _TRANSFORMERS = checked
 
 
@@ -399,6 +417,27 @@ def _keeping_decode_fast_path(original):
         return None
 
     return ensure_decode_fast_path_is_available
+
+
+def _ordering_reads_after_resets(original):
+    """transformers resets the device inputs (zeroes their tokens, lengths and indices) with kernels on
+    the current stream, when it makes them and when a generation starts, and then fills them on another
+    stream: the asynchronous inputs' transfer stream copies the next step into them, the synchronous
+    inputs' compute stream reads what the current stream wrote. Nothing orders the two, so a reset that
+    runs late on the device zeroes a step's inputs after they were copied (measured: the first step of a
+    generation ran on tokens all 0 and gave wrong text, or indexed out of bounds). Before each step's
+    inputs are handed over, the stream that reads them waits for the current stream."""
+    @functools.wraps(original)
+    def get_model_kwargs(self, *args, **kwargs):
+        if isinstance(self, _TRANSFORMERS.async_inputs):
+            cache, stream = self.io_pairs[0].device_io.cache, self.h2d_stream
+        else:
+            cache, stream = self.cache, self.compute_stream
+        if stream is not None and serves(cache):
+            stream.wait_stream(torch.get_device_module(stream.device).current_stream(stream.device))
+        return original(self, *args, **kwargs)
+
+    return get_model_kwargs
 
 
 # ----------------------------------------------------------------------------- the caches and their attention
