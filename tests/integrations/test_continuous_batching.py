@@ -464,8 +464,7 @@ def test_the_stream_that_reads_the_inputs_waits_for_the_current_stream_first(asy
     # asynchronous inputs' transfer stream copies a step into them, the synchronous inputs' compute stream
     # reads them. Before each step's inputs are handed over, that stream waits for the current one (for
     # the caches fp8kv serves; transformers' own are left as they are). On any machine: the streams are
-    # stand-ins (tests/integrations/test_continuous_batching.py::test_a_late_reset_of_the_inputs_... runs
-    # the real ones on CUDA).
+    # stand-ins (test_a_late_reset_of_the_inputs_does_not_reach_a_step runs the real ones on CUDA).
     continuous_batching.install_hooks()
     log = []
     cache = type("Cache", (), {})()
