@@ -426,6 +426,19 @@ def test_a_changed_private_signature_is_one_error_and_installs_nothing(uninstall
     assert hooked_functions(HOOKED[:-1]) == before and continuous_batching._TRANSFORMERS is None
 
 
+def test_inputs_that_no_longer_keep_their_streams_are_one_error(uninstalled, monkeypatch):
+    # _ordering_reads_after_resets reads the stream each kind of inputs reads with.
+    def async_inputs_init(self, cache, *args, **kwargs):
+        self.io_pairs = []
+
+    monkeypatch.setattr(input_outputs.ContinuousBatchingAsyncIOs, "__init__", async_inputs_init)
+    before = hooked_functions()
+    with pytest.raises(continuous_batching.UnsupportedTransformersError,
+                       match=r"\(ContinuousBatchingAsyncIOs.__init__ has no h2d_stream\): .* -m pip install"):
+        enable_continuous_batching(tiny_model(), KVCacheConfig.unit_scales("e4m3", 2))
+    assert hooked_functions() == before and continuous_batching._TRANSFORMERS is None
+
+
 # ----------------------------------------------------------------------------- hooks
 
 
@@ -486,12 +499,14 @@ def test_the_stream_that_reads_the_inputs_waits_for_the_current_stream_first(asy
     assert log == waited + [("inputs handed over", True)]
 
 
-def test_the_inputs_of_the_host_have_no_stream_to_order(monkeypatch):
+def test_inputs_without_a_compute_stream_have_nothing_to_order(monkeypatch):
+    # The device inputs of an asynchronous pair (their transfer is ordered by the pair, above) and the
+    # inputs on the host have no compute stream.
     continuous_batching.install_hooks()
     cache = type("Cache", (), {})()
     monkeypatch.setitem(continuous_batching._CACHES, cache, None)
     inputs = object.__new__(input_outputs.ContinuousBatchingIOs)
-    inputs.cache, inputs.compute_stream = cache, None  # transformers' inputs on the host
+    inputs.cache, inputs.compute_stream = cache, None
     hooked = continuous_batching._ordering_reads_after_resets(lambda self, use_padding: "kwargs")
     assert hooked(inputs, use_padding=False) == "kwargs"
 

@@ -26,9 +26,9 @@ models enabled here only:
 - `ContinuousBatchingManager.switch_to_cb_friendly_attn` accepts fp8kv's attention;
 - `ensure_decode_fast_path_is_available` keeps the decode fast path, which transformers opens to
   flash attention on CUDA only and fp8kv's kernels run on every device;
-- `get_model_kwargs` of the device inputs (`ContinuousBatchingIOs`, `ContinuousBatchingAsyncIOs`)
-  first makes the stream that reads them next wait for the current stream: see
-  _ordering_reads_after_resets.
+- `get_model_kwargs` of the inputs (`ContinuousBatchingIOs`, `ContinuousBatchingAsyncIOs`) first
+  makes the stream that reads the device inputs next wait for the current stream, which wrote them:
+  see _ordering_reads_after_resets.
 
 Under tensor parallelism (a model loaded with tp_plan="auto"), each rank's pages and attention hold its
 own KV heads: `rank_kv_cache` gives the rank its scales and K offsets, by the mesh and plan of
@@ -420,13 +420,14 @@ def _keeping_decode_fast_path(original):
 
 
 def _ordering_reads_after_resets(original):
-    """transformers resets the device inputs (zeroes their tokens, lengths and indices) with kernels on
-    the current stream, when it makes them and when a generation starts, and then fills them on another
-    stream: the asynchronous inputs' transfer stream copies the next step into them, the synchronous
-    inputs' compute stream reads what the current stream wrote. Nothing orders the two, so a reset that
-    runs late on the device zeroes a step's inputs after they were copied (measured: the first step of a
-    generation ran on tokens all 0 and gave wrong text, or indexed out of bounds). Before each step's
-    inputs are handed over, the stream that reads them waits for the current stream."""
+    """transformers writes the device inputs with kernels on the current stream and reads them on
+    another, with nothing ordering the two. The asynchronous inputs are reset there (tokens and lengths
+    zeroed, indices pointed at the trash pages) when they are made and when a generation starts, and
+    each step is copied into them on the transfer stream: a reset that runs late on the device zeroes a
+    step's inputs after they were copied (measured: the first step of a generation ran on tokens all 0
+    and gave wrong text, or indexed out of bounds). The synchronous inputs are filled there at every
+    step and read on the compute stream (its blocking copies order all but the last write). Before each
+    step's inputs are handed over, the stream that reads them waits for the current stream."""
     @functools.wraps(original)
     def get_model_kwargs(self, *args, **kwargs):
         if isinstance(self, _TRANSFORMERS.async_inputs):
