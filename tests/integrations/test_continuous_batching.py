@@ -121,6 +121,18 @@ def assert_same_as_reference(model, kv_cache_config, prompts, outputs, copies: i
             assert sampled or torch.equal(torch.tensor(output.logprobs), logprobs), output.request_id
 
 
+def assert_as_reference_up_to_near_ties(expected, outputs, near_tie: float) -> int:
+    """Each output has NEW_TOKENS tokens, equal to its reference's (`reference`'s results, in order) up to
+    the first one whose best two logits are within `near_tie`. Returns how many equal it throughout."""
+    whole = 0
+    for (tokens, _, margins), output in zip(expected, outputs, strict=True):
+        differ = [i for i, (got, want) in enumerate(zip(output.generated_tokens, tokens)) if got != want]
+        assert len(output.generated_tokens) == NEW_TOKENS
+        assert not differ or margins[differ[0]] <= near_tie, (output.request_id, differ, margins)
+        whole += not differ
+    return whole
+
+
 class Steps:
     """What each continuous-batching step gave fp8kv's attention (once per step run in Python, not per
     replay of a CUDA graph): whether it took the decode fast path, the query rows, and those no request
@@ -470,14 +482,16 @@ class RecordingStream:
         self.log.append(("waits for", other))
 
 
-@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
+@pytest.mark.parametrize("inputs_kind", ["async", "sync", "no compute stream"])
 @pytest.mark.parametrize("served", [True, False], ids=["fp8kv's cache", "another cache"])
-def test_the_stream_that_reads_the_inputs_waits_for_the_current_stream_first(asynchronous, served, monkeypatch):
+def test_the_stream_that_reads_the_inputs_waits_for_the_current_stream_first(inputs_kind, served, monkeypatch):
     # transformers resets the device inputs on the current stream and then fills them on another: the
     # asynchronous inputs' transfer stream copies a step into them, the synchronous inputs' compute stream
     # reads them. Before each step's inputs are handed over, that stream waits for the current one (for
-    # the caches fp8kv serves; transformers' own are left as they are). On any machine: the streams are
-    # stand-ins (test_a_late_reset_of_the_inputs_does_not_reach_a_step runs the real ones on CUDA).
+    # the caches fp8kv serves; transformers' own are left as they are). Inputs without a compute stream
+    # (the device inputs of an asynchronous pair, ordered by the pair; the inputs on the host) have
+    # nothing to order. On any machine: the streams are stand-ins
+    # (test_a_late_reset_of_the_inputs_does_not_reach_a_step runs the real ones on CUDA).
     continuous_batching.install_hooks()
     log = []
     cache = type("Cache", (), {})()
@@ -485,30 +499,19 @@ def test_the_stream_that_reads_the_inputs_waits_for_the_current_stream_first(asy
         monkeypatch.setitem(continuous_batching._CACHES, cache, None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("current stream of", device))
     stream = RecordingStream(log)
-    if asynchronous:
+    if inputs_kind == "async":
         inputs = object.__new__(input_outputs.ContinuousBatchingAsyncIOs)
         device_inputs = type("DeviceInputs", (), {"cache": cache})()
         inputs.io_pairs, inputs.h2d_stream = [type("Pair", (), {"device_io": device_inputs})()] * 2, stream
     else:
         inputs = object.__new__(input_outputs.ContinuousBatchingIOs)
-        inputs.cache, inputs.compute_stream = cache, stream
+        inputs.cache, inputs.compute_stream = cache, stream if inputs_kind == "sync" else None
     hooked = continuous_batching._ordering_reads_after_resets(lambda self, use_padding: log.append(
         ("inputs handed over", use_padding)) or "kwargs")
     assert hooked(inputs, use_padding=True) == "kwargs"
-    waited = [("waits for", ("current stream of", stream.device))] if served else []
+    ordered = served and inputs_kind != "no compute stream"
+    waited = [("waits for", ("current stream of", stream.device))] if ordered else []
     assert log == waited + [("inputs handed over", True)]
-
-
-def test_inputs_without_a_compute_stream_have_nothing_to_order(monkeypatch):
-    # The device inputs of an asynchronous pair (their transfer is ordered by the pair, above) and the
-    # inputs on the host have no compute stream.
-    continuous_batching.install_hooks()
-    cache = type("Cache", (), {})()
-    monkeypatch.setitem(continuous_batching._CACHES, cache, None)
-    inputs = object.__new__(input_outputs.ContinuousBatchingIOs)
-    inputs.cache, inputs.compute_stream = cache, None
-    hooked = continuous_batching._ordering_reads_after_resets(lambda self, use_padding: "kwargs")
-    assert hooked(inputs, use_padding=False) == "kwargs"
 
 
 def transformers_own_tokens(enable_another_model_first: bool) -> list:
@@ -599,12 +602,7 @@ def test_generate_batch_on_each_device(device, cache_name, page, cuda_graphs, st
     expected = [reference(model, config, prompt, page) for prompt in prompts]
     outputs = generate_batch(model, prompts, page_size=page, num_blocks=64 * 16 // page, use_cuda_graph=cuda_graphs,
                              use_async_batching=cuda_graphs, return_logprobs=False)
-    whole, near_tie = 0, NEAR_TIE_FP8 if config.dtype.is_fp8 else NEAR_TIE
-    for (tokens, _, margins), output in zip(expected, outputs):
-        differ = [i for i, (got, want) in enumerate(zip(output.generated_tokens, tokens)) if got != want]
-        assert len(output.generated_tokens) == NEW_TOKENS
-        assert not differ or margins[differ[0]] <= near_tie, (output.request_id, differ, margins)
-        whole += not differ
+    whole = assert_as_reference_up_to_near_ties(expected, outputs, NEAR_TIE_FP8 if config.dtype.is_fp8 else NEAR_TIE)
     assert whole >= len(prompts) - 2, f"{whole} of {len(prompts)} requests as the reference"
     assert steps.chunked_prefills() > 0 and any(steps.decode)
     if cuda_graphs:
@@ -647,9 +645,7 @@ def test_a_late_reset_of_the_inputs_does_not_reach_a_step(device, monkeypatch):
     prompts = random_prompts([5, 9, 40, 23])
     expected = [reference(model, config, prompt) for prompt in prompts]
     outputs = generate_batch(model, prompts, use_cuda_graph=True, use_async_batching=True, return_logprobs=False)
-    for (tokens, _, margins), output in zip(expected, outputs):
-        differ = [i for i, (got, want) in enumerate(zip(output.generated_tokens, tokens)) if got != want]
-        assert not differ or margins[differ[0]] <= NEAR_TIE, (output.request_id, differ, margins)
+    assert_as_reference_up_to_near_ties(expected, outputs, NEAR_TIE)
 
 
 def test_cuda_graph_capture_derives_the_step_indices_inside_the_graph(monkeypatch):
