@@ -40,6 +40,7 @@ LLAMA2_7B = Model("Llama-2-7B", 32, 32, 128)  # MHA
 LLAMA3_70B_TP8 = Model("Llama-3-70B TP8", 8, 1, 128)  # 64/8 heads over 8 GPUs: MQA on each
 LLAMA32_1B = Model("Llama-3.2-1B", 32, 8, 64)  # head 64
 GEMMA3_12B = Model("Gemma-3-12B", 16, 8, 256)  # head 256 (a global-attention layer)
+SMOLLM2_135M = Model("SmolLM2-135M", 9, 3, 64)  # 3 KV heads of 64: few, small rows
 
 def tokens_text(tokens: int) -> str:
     """4096 -> "4k", for shape labels."""

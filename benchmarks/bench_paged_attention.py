@@ -2,7 +2,7 @@
 
 Shapes are named after the models whose attention layer they are (Llama-3-8B: GQA 32/8, head 128;
 Llama-2-7B: MHA 32/32; Llama-3-70B on 8 GPUs: 8/1 per GPU; Llama-3.2-1B: head 64; Gemma-3-12B: 16/8,
-head 256), with a batch and a context length per sequence.
+head 256; SmolLM2-135M: 9/3, head 64), with a batch and a context length per sequence.
 
 Columns per shape: fp8kv with an e4m3 cache in NHD and HND storage; the same K/V in an e4m3 cache
 written with the rotated + centred recipe (docs/rotated_cache.md), read by fp8kv in the same two
@@ -86,6 +86,7 @@ def default_shapes() -> list[DecodeShape]:
     shapes = [DecodeShape(cases.LLAMA3_8B, b, l, block_size=bs) for bs in (16, 64) for b, l in llama3]
     for model in (cases.LLAMA2_7B, cases.LLAMA3_70B_TP8, cases.LLAMA32_1B, cases.GEMMA3_12B):
         shapes.append(DecodeShape(model, 64, 4096))
+    shapes.append(DecodeShape(cases.SMOLLM2_135M, 64, 7680))  # bench_generate.py's SmolLM2 row
     # A server's decode step: transformers' pages of 256 tokens, 65-127 requests padded to 128.
     shapes.append(DecodeShape(cases.LLAMA3_8B, 64, 4096, block_size=256, empty_rows=64))
     return shapes

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Compile-only check of every CUDA source for the default architectures, so broken CUDA code fails
-# CI on machines without a GPU, and a host run of the framework-free numerics' exhaustive check
-# (csrc/checks/check_numerics.cpp). Needs nvcc and an installed torch (for the bindings' headers).
+# CI on machines without a GPU, and host runs of the framework-free numerics' exhaustive check
+# (csrc/checks/check_numerics.cpp) and of the decode planner's check (csrc/checks/check_cuda_planner.cpp).
+# Needs nvcc and an installed torch (for the bindings' headers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 NVCC="${NVCC:-nvcc}"
@@ -33,4 +34,6 @@ g++ -std=c++20 -fsyntax-only -Wall -Werror -DFP8KV_WITH_CUDA -D_GLIBCXX_USE_CXX1
   -I"$TORCH_DIR/include" -I"$TORCH_DIR/include/torch/csrc/api/include" -I"$out/shim" -I"$CUDA_INCLUDE"
 g++ -std=c++17 -O2 -Wall -Werror csrc/checks/check_numerics.cpp -o "$out/check_numerics"
 "$out/check_numerics"
+g++ -std=c++17 -O2 -Wall -Werror -I"$CUDA_INCLUDE" csrc/checks/check_cuda_planner.cpp -o "$out/check_cuda_planner"
+"$out/check_cuda_planner"
 echo "CUDA sources compile"

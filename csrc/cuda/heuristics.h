@@ -126,9 +126,21 @@ inline int64_t decode_row_chunks(const PagedAttentionParams& p) {
   return p.num_query_tokens * ((group + decode::kRows - 1) / decode::kRows);
 }
 
-// Decode's splits: the count nearest kDecodeItemsPerSm items per SM, within what the block-table
-// slices need and what kMinSplitTokens allows. None when the table needs more splits than the merge
-// takes (refused by paged_attention_unsupported).
+// A decode CTA keeps one tile per warp in flight (K and V rows); the grid streams at the read
+// bandwidth only with about kDecodeBytesInFlight in flight in all. Below that it waits on the copies'
+// latency: SmolLM2-135M at B64 (3 KV heads of 64-byte FP8 rows) gave 192 items of 8 KiB in flight,
+// 1.5 MiB, and read at 66% of the bandwidth (perf_notes.md, section 10).
+inline constexpr int64_t kDecodeBytesInFlight = int64_t{4} << 20;
+
+inline int64_t decode_cta_bytes_in_flight(const PagedAttentionParams& p) {
+  return int64_t{decode::kWarps} * (decode::kMaxStages - 1) * decode::kTileTokens * 2 * p.head_size *
+         dtype_bytes(p.cache_dtype);
+}
+
+// Decode's splits: the count nearest kDecodeItemsPerSm items per SM, raised where that keeps less
+// than kDecodeBytesInFlight in flight (as far as the items stay one wave of kDecodeCtasPerSm CTAs
+// per SM), within what the block-table slices need and what kMinSplitTokens allows. None when the
+// table needs more splits than the merge takes (refused by paged_attention_unsupported).
 inline std::optional<Splits> decode_splits(const PagedAttentionParams& p, const DeviceFacts& device) {
   const int64_t target_items = static_cast<int64_t>(device.multiprocessors) * kDecodeItemsPerSm;
   const int64_t row_items = std::max<int64_t>(1, decode_row_chunks(p) * p.num_kv_heads);  // items per split
@@ -139,8 +151,11 @@ inline std::optional<Splits> decode_splits(const PagedAttentionParams& p, const 
   if (min_splits > merge::kMaxSplits) return std::nullopt;
   const int64_t max_splits =
       std::max<int64_t>(min_splits, std::min<int64_t>(merge::kMaxSplits, capacity / kMinSplitTokens));
-  const int64_t splits = (target_items + row_items / 2) / row_items;  // nearest
-  return even_splits(capacity, std::clamp(splits, min_splits, max_splits), decode::kTileGroup);
+  const int64_t nearest = (target_items + row_items / 2) / row_items;
+  const int64_t split_bytes = row_items * decode_cta_bytes_in_flight(p);  // in flight per split
+  const int64_t one_wave = static_cast<int64_t>(device.multiprocessors) * kDecodeCtasPerSm / row_items;
+  const int64_t in_flight = std::min((kDecodeBytesInFlight + split_bytes - 1) / split_bytes, one_wave);
+  return even_splits(capacity, std::clamp(std::max(nearest, in_flight), min_splits, max_splits), decode::kTileGroup);
 }
 
 // Decode's persistent CTAs: kDecodeCtasPerSm per SM, at most the `resident` that fit.

@@ -58,23 +58,23 @@ needs_matplotlib = pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is
 
 def test_models_have_their_published_geometry():
     geometry = {m.name: (m.num_heads, m.num_kv_heads, m.head_size) for m in (
-        cases.LLAMA3_8B, cases.LLAMA2_7B, cases.LLAMA3_70B_TP8, cases.LLAMA32_1B, cases.GEMMA3_12B)}
+        cases.LLAMA3_8B, cases.LLAMA2_7B, cases.LLAMA3_70B_TP8, cases.LLAMA32_1B, cases.GEMMA3_12B, cases.SMOLLM2_135M)}
     assert geometry == {"Llama-3-8B": (32, 8, 128), "Llama-2-7B": (32, 32, 128), "Llama-3-70B TP8": (64 // 8, 8 // 8, 128),
-                        "Llama-3.2-1B": (32, 8, 64), "Gemma-3-12B": (16, 8, 256)}
+                        "Llama-3.2-1B": (32, 8, 64), "Gemma-3-12B": (16, 8, 256), "SmolLM2-135M": (9, 3, 64)}
 
 
 def test_decode_shapes():
     shapes = decode.default_shapes()
     labels = [s.label for s in shapes]
-    assert len(labels) == len(set(labels)) == 7 * 2 + 4 + 1
+    assert len(labels) == len(set(labels)) == 7 * 2 + 4 + 1 + 1
     assert "Llama-3-8B decode B64 x 4k" in labels and "Llama-3-8B decode B1 x 128k bs64" in labels
     assert labels[-1] == "Llama-3-8B decode B64 x 4k bs256 +64 empty"
     assert [s.empty_rows for s in shapes] == [0] * (len(shapes) - 1) + [64]
     llama3 = {(s.batch, s.context) for s in shapes if s.model == cases.LLAMA3_8B and s.block_size == 16}
     assert llama3 == {(1, 32768), (1, 131072), (16, 4096), (64, 4096), (16, 16384), (128, 2048), (256, 1024)}
     others = [s for s in shapes if s.model != cases.LLAMA3_8B]
-    assert {s.model.name for s in others} == {"Llama-2-7B", "Llama-3-70B TP8", "Llama-3.2-1B", "Gemma-3-12B"}
-    assert all((s.batch, s.context) == (64, 4096) for s in others)
+    assert {s.model.name for s in others} == {"Llama-2-7B", "Llama-3-70B TP8", "Llama-3.2-1B", "Gemma-3-12B", "SmolLM2-135M"}
+    assert all((s.batch, s.context) == ((64, 7680) if s.model == cases.SMOLLM2_135M else (64, 4096)) for s in others)
 
 
 @needs_fp8kv
@@ -140,7 +140,7 @@ def test_write_and_amax_byte_counts():
     assert write.default_shapes()[2].label == "Llama-3-8B write 128k tokens from fused QKV"
 
 
-@pytest.mark.parametrize("pattern,count", [("bs64", 7), ("70B", 1), ("B1 x", 4), ("empty", 1), (None, 19)])
+@pytest.mark.parametrize("pattern,count", [("bs64", 7), ("70B", 1), ("B1 x", 4), ("empty", 1), ("SmolLM2", 1), (None, 20)])
 def test_shape_filter(pattern, count):
     assert len(common.select_shapes(decode.default_shapes(), pattern)) == count
 

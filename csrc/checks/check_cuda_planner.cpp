@@ -1,0 +1,127 @@
+// Host check of the CUDA decode planner (csrc/cuda/heuristics.h), run by scripts/check_cuda_sources.sh;
+// not part of the library. The split counts of the benchmark's decode shapes on an H100 (132 SMs),
+// worked out by hand below, and over a sweep of shapes: the count is never below that of the
+// nearest-items rule, and where the bytes-in-flight rule raises it the items stay one wave.
+#include <cstdio>
+#include <string>
+
+#include "../cuda/heuristics.h"
+
+namespace fp8kv::cuda {
+namespace {
+
+int failures = 0;
+int checks = 0;
+
+void expect(bool ok, const std::string& what) {
+  ++checks;
+  if (!ok && ++failures <= 20) std::printf("FAILED %s\n", what.c_str());
+}
+
+constexpr DeviceFacts kH100{132, 9, 0};
+
+PagedAttentionParams decode_call(int seqs, int heads, int kv_heads, int head_size, int capacity, DType cache) {
+  PagedAttentionParams p{};
+  p.num_seqs = seqs;
+  p.num_query_tokens = seqs;  // decode: one query row per sequence
+  p.num_heads = heads;
+  p.num_kv_heads = kv_heads;
+  p.head_size = head_size;
+  p.block_size = 16;
+  p.max_blocks_per_seq = capacity / 16;
+  p.cache_dtype = cache;
+  return p;
+}
+
+struct Expected {
+  const char* shape;
+  PagedAttentionParams call;
+  int splits, split_tokens;
+};
+
+// Items per split (row_items below): sequences x KV heads (every group here fits one row chunk).
+// A CTA keeps 4 warps x 16 tokens x (K + V) rows in flight: 16 KiB for FP8 rows of 128, 8 KiB of 64.
+void check_benchmark_shapes() {
+  constexpr DType kE4m3 = DType::kFloat8E4M3FN;
+  const Expected table[] = {
+      // 8 items: nearest (264 + 4) / 8 = 33, 32 fill 4 MiB; 33 splits of 993 round to 32 of 1024.
+      {"Llama-3-8B B1 x 32k", decode_call(1, 32, 8, 128, 32768, kE4m3), 32, 1024},
+      // 128 items: nearest 2, and 2 x 128 x 16 KiB = 4 MiB.
+      {"Llama-3-8B B16 x 4k", decode_call(16, 32, 8, 128, 4096, kE4m3), 2, 2048},
+      {"Llama-3-8B B64 x 4k", decode_call(64, 32, 8, 128, 4096, kE4m3), 1, 4096},
+      // 64 items (MQA, one group of 8): nearest 4 = 4 MiB.
+      {"Llama-3-70B TP8 B64 x 4k", decode_call(64, 8, 1, 128, 4096, kE4m3), 4, 1024},
+      // 512 items of 8 KiB: 4 MiB with one split.
+      {"Llama-3.2-1B B64 x 4k", decode_call(64, 32, 8, 64, 4096, kE4m3), 1, 4096},
+      {"Gemma-3-12B B64 x 4k", decode_call(64, 16, 8, 256, 4096, kE4m3), 1, 4096},
+      {"Llama-2-7B B64 x 4k", decode_call(64, 32, 32, 128, 4096, kE4m3), 1, 4096},
+      // 192 items of 8 KiB: nearest 1 (1.5 MiB); 3 would fill 4 MiB but 576 items exceed one wave
+      // of 528 CTAs, so 2.
+      {"SmolLM2-135M B64 x 7680", decode_call(64, 9, 3, 64, 7680, kE4m3), 2, 3840},
+      // bf16 rows of 64: 16 KiB per CTA, 3 MiB with one split, 2 fill it.
+      {"SmolLM2-135M B64 x 7680, bf16 cache", decode_call(64, 9, 3, 64, 7680, DType::kBFloat16), 2, 3840},
+  };
+  for (const Expected& e : table) {
+    const std::optional<Splits> got = decode_splits(e.call, kH100);
+    expect(got.has_value() && got->count == e.splits && got->tokens == e.split_tokens,
+           std::string(e.shape) + ": " + (got ? std::to_string(got->count) + " splits of " + std::to_string(got->tokens)
+                                              : std::string("none")) +
+               ", expected " + std::to_string(e.splits) + " of " + std::to_string(e.split_tokens));
+  }
+}
+
+// The nearest-items rule alone, as it stood before the bytes-in-flight rule: the lower bound.
+int nearest_items_splits(const PagedAttentionParams& p, int64_t capacity) {
+  const int64_t row_items = std::max<int64_t>(1, decode_row_chunks(p) * p.num_kv_heads);
+  const int64_t nearest = (kH100.multiprocessors * kDecodeItemsPerSm + row_items / 2) / row_items;
+  const int64_t max_split_tokens = decode::max_split_tokens(p.block_size);
+  const int64_t min_splits = (capacity + max_split_tokens - 1) / max_split_tokens;
+  const int64_t max_splits = std::max<int64_t>(min_splits, std::min<int64_t>(merge::kMaxSplits, capacity / kMinSplitTokens));
+  return even_splits(capacity, std::clamp(nearest, min_splits, max_splits), decode::kTileGroup).count;
+}
+
+void check_sweep() {
+  const DType caches[] = {DType::kFloat8E4M3FN, DType::kBFloat16};
+  const int head_sizes[] = {64, 80, 96, 128, 192, 256};
+  const int kv_heads_of[] = {1, 2, 3, 4, 8, 32};
+  const int groups[] = {1, 3, 4, 8, 12};
+  const int seqs_of[] = {1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 256, 512};
+  const int capacities[] = {512, 1024, 4096, 7680, 32768, 131072};
+  for (DType cache : caches) {
+    for (int head_size : head_sizes) {
+      for (int kv_heads : kv_heads_of) {
+        for (int group : groups) {
+          for (int seqs : seqs_of) {
+            for (int capacity : capacities) {
+              const PagedAttentionParams p = decode_call(seqs, kv_heads * group, kv_heads, head_size, capacity, cache);
+              const std::string shape = std::to_string(seqs) + " seqs, " + std::to_string(kv_heads) + "x" +
+                                        std::to_string(group) + " heads of " + std::to_string(head_size) + ", " +
+                                        std::to_string(capacity) + " tokens";
+              const std::optional<Splits> got = decode_splits(p, kH100);
+              expect(got.has_value(), shape + ": planned");
+              if (!got) continue;
+              const int before = nearest_items_splits(p, capacity);
+              expect(got->count >= before, shape + ": no fewer splits than the nearest-items rule");
+              const int64_t items = decode_row_chunks(p) * kv_heads * static_cast<int64_t>(got->count);
+              expect(got->count == before || items <= int64_t{kH100.multiprocessors} * kDecodeCtasPerSm,
+                     shape + ": splits raised beyond one wave");
+              expect(static_cast<int64_t>(got->count) * got->tokens >= capacity &&
+                         static_cast<int64_t>(got->count - 1) * got->tokens < capacity,
+                     shape + ": the splits cover the table, none empty");
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace fp8kv::cuda
+
+int main() {
+  fp8kv::cuda::check_benchmark_shapes();
+  fp8kv::cuda::check_sweep();
+  std::printf("check_cuda_planner: %d checks, %d failed\n", fp8kv::cuda::checks, fp8kv::cuda::failures);
+  return fp8kv::cuda::failures == 0 ? 0 : 1;
+}
