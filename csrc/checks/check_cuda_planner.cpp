@@ -40,26 +40,28 @@ struct Expected {
 };
 
 // Items per split (row_items below): sequences x KV heads (every group here fits one row chunk).
-// A CTA keeps 4 warps x 16 tokens x (K + V) rows in flight: 16 KiB for FP8 rows of 128, 8 KiB of 64.
+// A CTA keeps 4 warps x 16 tokens x (K + V) rows in flight: 16 KiB for FP8 rows of 128, 8 KiB of 64;
+// the bytes-in-flight rule asks for 3 MiB.
 void check_benchmark_shapes() {
   constexpr DType kE4m3 = DType::kFloat8E4M3FN;
   const Expected table[] = {
-      // 8 items: nearest (264 + 4) / 8 = 33, 32 fill 4 MiB; 33 splits of 993 round to 32 of 1024.
+      // 8 items: nearest (264 + 4) / 8 = 33 (24 fill 3 MiB); 33 splits of 993 round to 32 of 1024.
       {"Llama-3-8B B1 x 32k", decode_call(1, 32, 8, 128, 32768, kE4m3), 32, 1024},
-      // 128 items: nearest 2, and 2 x 128 x 16 KiB = 4 MiB.
+      // 128 items: nearest 2, 4 MiB.
       {"Llama-3-8B B16 x 4k", decode_call(16, 32, 8, 128, 4096, kE4m3), 2, 2048},
       {"Llama-3-8B B64 x 4k", decode_call(64, 32, 8, 128, 4096, kE4m3), 1, 4096},
-      // 64 items (MQA, one group of 8): nearest 4 = 4 MiB.
+      // 64 items (MQA, one group of 8): nearest 4, 4 MiB.
       {"Llama-3-70B TP8 B64 x 4k", decode_call(64, 8, 1, 128, 4096, kE4m3), 4, 1024},
       // 512 items of 8 KiB: 4 MiB with one split.
       {"Llama-3.2-1B B64 x 4k", decode_call(64, 32, 8, 64, 4096, kE4m3), 1, 4096},
       {"Gemma-3-12B B64 x 4k", decode_call(64, 16, 8, 256, 4096, kE4m3), 1, 4096},
       {"Llama-2-7B B64 x 4k", decode_call(64, 32, 32, 128, 4096, kE4m3), 1, 4096},
-      // 192 items of 8 KiB: nearest 1 (1.5 MiB); 3 would fill 4 MiB but 576 items exceed one wave
-      // of 528 CTAs, so 2.
+      // 192 items of 8 KiB: nearest 1 (1.5 MiB); 2 fill 3 MiB, and 384 items are one wave of 528 CTAs.
       {"SmolLM2-135M B64 x 7680", decode_call(64, 9, 3, 64, 7680, kE4m3), 2, 3840},
-      // bf16 rows of 64: 16 KiB per CTA, 3 MiB with one split, 2 fill it.
-      {"SmolLM2-135M B64 x 7680, bf16 cache", decode_call(64, 9, 3, 64, 7680, DType::kBFloat16), 2, 3840},
+      // bf16 rows of 64: 16 KiB per CTA, 3 MiB with one split.
+      {"SmolLM2-135M B64 x 7680, bf16 cache", decode_call(64, 9, 3, 64, 7680, DType::kBFloat16), 1, 7680},
+      // 96 items of 8 KiB: 4 splits fill 3 MiB, but one wave holds 5, the nearest rule gives 3.
+      {"SmolLM2-135M B32 x 8k", decode_call(32, 9, 3, 64, 8192, kE4m3), 4, 2048},
   };
   for (const Expected& e : table) {
     const std::optional<Splits> got = decode_splits(e.call, kH100);

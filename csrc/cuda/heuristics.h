@@ -126,11 +126,12 @@ inline int64_t decode_row_chunks(const PagedAttentionParams& p) {
   return p.num_query_tokens * ((group + decode::kRows - 1) / decode::kRows);
 }
 
-// A decode CTA keeps one tile per warp in flight (K and V rows); the grid streams at the read
-// bandwidth only with about kDecodeBytesInFlight in flight in all. Below that it waits on the copies'
-// latency: SmolLM2-135M at B64 (3 KV heads of 64-byte FP8 rows) gave 192 items of 8 KiB in flight,
-// 1.5 MiB, and read at 66% of the bandwidth (perf_notes.md, section 10).
-inline constexpr int64_t kDecodeBytesInFlight = int64_t{4} << 20;
+// A decode CTA keeps one tile per warp in flight (K and V rows); the grid streams near the read
+// bandwidth only with about kDecodeBytesInFlight in flight in all (the bandwidth times a loaded
+// round trip of about a microsecond). SmolLM2-135M at B64 (3 KV heads of 64-byte rows) kept 1.5 MiB
+// in flight with FP8 rows and read at 67% of the bandwidth, 3 MiB with bf16 rows and read at 87%
+// (perf_notes.md, section 10).
+inline constexpr int64_t kDecodeBytesInFlight = int64_t{3} << 20;
 
 inline int64_t decode_cta_bytes_in_flight(const PagedAttentionParams& p) {
   return int64_t{decode::kWarps} * (decode::kMaxStages - 1) * decode::kTileTokens * 2 * p.head_size *
