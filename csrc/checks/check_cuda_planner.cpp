@@ -2,21 +2,15 @@
 // not part of the library. The split counts of the benchmark's decode shapes on an H100 (132 SMs),
 // worked out by hand below, and over a sweep of shapes: the count is never below that of the
 // nearest-items rule, and where the bytes-in-flight rule raises it the items stay one wave.
-#include <cstdio>
 #include <string>
 
 #include "../cuda/heuristics.h"
+#include "expect.h"
 
 namespace fp8kv::cuda {
 namespace {
 
-int failures = 0;
-int checks = 0;
-
-void expect(bool ok, const std::string& what) {
-  ++checks;
-  if (!ok && ++failures <= 20) std::printf("FAILED %s\n", what.c_str());
-}
+using checks::expect;
 
 constexpr DeviceFacts kH100{132, 9, 0};
 
@@ -124,6 +118,5 @@ void check_sweep() {
 int main() {
   fp8kv::cuda::check_benchmark_shapes();
   fp8kv::cuda::check_sweep();
-  std::printf("check_cuda_planner: %d checks, %d failed\n", fp8kv::cuda::checks, fp8kv::cuda::failures);
-  return fp8kv::cuda::failures == 0 ? 0 : 1;
+  return fp8kv::checks::finish("check_cuda_planner");
 }

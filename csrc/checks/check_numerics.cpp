@@ -14,17 +14,12 @@
 #include "../float_conversions.h"
 #include "../fp8.h"
 #include "../kernel_params.h"
+#include "expect.h"
 
 namespace fp8kv {
 namespace {
 
-int failures = 0;
-int checks = 0;
-
-void expect(bool ok, const std::string& what) {
-  ++checks;
-  if (!ok && ++failures <= 20) std::printf("FAILED %s\n", what.c_str());
-}
+using checks::expect;
 
 bool same_float(float a, float b) { return std::isnan(a) ? std::isnan(b) : float_bits(a) == float_bits(b); }
 
@@ -171,6 +166,5 @@ int main() {
   check_nan_max();
   check_visible_keys();
   check_dispatch();
-  std::printf("check_numerics: %d checks, %d failed\n", checks, failures);
-  return failures == 0 ? 0 : 1;
+  return checks::finish("check_numerics");
 }
