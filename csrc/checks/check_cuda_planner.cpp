@@ -1,7 +1,8 @@
 // Host check of the CUDA decode planner (csrc/cuda/heuristics.h), run by scripts/check_cuda_sources.sh;
 // not part of the library. The split counts of the benchmark's decode shapes on an H100 (132 SMs),
 // worked out by hand below, and over a sweep of shapes: the count is never below that of the
-// nearest-items rule, and where the bytes-in-flight rule raises it the items stay one wave.
+// nearest-items rule; where the bytes-in-flight rule raises it the items stay one wave; and a plan
+// with less than kDecodeBytesInFlight in flight could not take one more split.
 #include <string>
 
 #include "../cuda/heuristics.h"
@@ -43,18 +44,21 @@ void check_benchmark_shapes() {
       {"Llama-3-8B B1 x 32k", decode_call(1, 32, 8, 128, 32768, kE4m3), 32, 1024},
       // 128 items: nearest 2, 4 MiB.
       {"Llama-3-8B B16 x 4k", decode_call(16, 32, 8, 128, 4096, kE4m3), 2, 2048},
+      // 512 items: nearest 1, 8 MiB.
       {"Llama-3-8B B64 x 4k", decode_call(64, 32, 8, 128, 4096, kE4m3), 1, 4096},
       // 64 items (MQA, one group of 8): nearest 4, 4 MiB.
       {"Llama-3-70B TP8 B64 x 4k", decode_call(64, 8, 1, 128, 4096, kE4m3), 4, 1024},
       // 512 items of 8 KiB: 4 MiB with one split.
       {"Llama-3.2-1B B64 x 4k", decode_call(64, 32, 8, 64, 4096, kE4m3), 1, 4096},
+      // 512 items of 32 KiB.
       {"Gemma-3-12B B64 x 4k", decode_call(64, 16, 8, 256, 4096, kE4m3), 1, 4096},
+      // 2048 items: more than one wave with one split.
       {"Llama-2-7B B64 x 4k", decode_call(64, 32, 32, 128, 4096, kE4m3), 1, 4096},
       // 192 items of 8 KiB: nearest 1 (1.5 MiB); 2 fill 3 MiB, and 384 items are one wave of 528 CTAs.
       {"SmolLM2-135M B64 x 7680", decode_call(64, 9, 3, 64, 7680, kE4m3), 2, 3840},
       // bf16 rows of 64: 16 KiB per CTA, 3 MiB with one split.
       {"SmolLM2-135M B64 x 7680, bf16 cache", decode_call(64, 9, 3, 64, 7680, DType::kBFloat16), 1, 7680},
-      // 96 items of 8 KiB: 4 splits fill 3 MiB, but one wave holds 5, the nearest rule gives 3.
+      // 96 items of 8 KiB: nearest 3 (2.25 MiB); 4 fill 3 MiB, and 384 items are one wave.
       {"SmolLM2-135M B32 x 8k", decode_call(32, 9, 3, 64, 8192, kE4m3), 4, 2048},
   };
   for (const Expected& e : table) {
@@ -66,14 +70,23 @@ void check_benchmark_shapes() {
   }
 }
 
+// The split counts a plan may have: at least min_splits, at most max_splits.
+struct SplitRange {
+  int64_t min_splits, max_splits;
+};
+
+SplitRange split_range(const PagedAttentionParams& p, int64_t capacity) {
+  const int64_t max_split_tokens = decode::max_split_tokens(p.block_size);
+  const int64_t min_splits = (capacity + max_split_tokens - 1) / max_split_tokens;
+  return {min_splits, std::max<int64_t>(min_splits, std::min<int64_t>(merge::kMaxSplits, capacity / kMinSplitTokens))};
+}
+
 // The nearest-items rule alone, as it stood before the bytes-in-flight rule: the lower bound.
 int nearest_items_splits(const PagedAttentionParams& p, int64_t capacity) {
   const int64_t row_items = std::max<int64_t>(1, decode_row_chunks(p) * p.num_kv_heads);
   const int64_t nearest = (kH100.multiprocessors * kDecodeItemsPerSm + row_items / 2) / row_items;
-  const int64_t max_split_tokens = decode::max_split_tokens(p.block_size);
-  const int64_t min_splits = (capacity + max_split_tokens - 1) / max_split_tokens;
-  const int64_t max_splits = std::max<int64_t>(min_splits, std::min<int64_t>(merge::kMaxSplits, capacity / kMinSplitTokens));
-  return even_splits(capacity, std::clamp(nearest, min_splits, max_splits), decode::kTileGroup).count;
+  const SplitRange range = split_range(p, capacity);
+  return even_splits(capacity, std::clamp(nearest, range.min_splits, range.max_splits), decode::kTileGroup).count;
 }
 
 void check_sweep() {
@@ -98,9 +111,16 @@ void check_sweep() {
               if (!got) continue;
               const int before = nearest_items_splits(p, capacity);
               expect(got->count >= before, shape + ": no fewer splits than the nearest-items rule");
-              const int64_t items = decode_row_chunks(p) * kv_heads * static_cast<int64_t>(got->count);
-              expect(got->count == before || items <= int64_t{kH100.multiprocessors} * kDecodeCtasPerSm,
-                     shape + ": splits raised beyond one wave");
+              const int64_t row_items = decode_row_chunks(p) * kv_heads;
+              const int64_t one_wave = int64_t{kH100.multiprocessors} * kDecodeCtasPerSm;
+              expect(got->count == before || row_items * got->count <= one_wave, shape + ": splits raised beyond one wave");
+              // Raised far enough: one more split would leave the wave or the split range, or round
+              // back to the same count (even_splits' whole tile groups).
+              const int64_t next = got->count + 1;
+              expect(row_items * got->count * decode_cta_bytes_in_flight(p) >= kDecodeBytesInFlight ||
+                         row_items * next > one_wave || next > split_range(p, capacity).max_splits ||
+                         even_splits(capacity, next, decode::kTileGroup).count == got->count,
+                     shape + ": less than kDecodeBytesInFlight in flight where one more split fits");
               expect(static_cast<int64_t>(got->count) * got->tokens >= capacity &&
                          static_cast<int64_t>(got->count - 1) * got->tokens < capacity,
                      shape + ": the splits cover the table, none empty");

@@ -128,8 +128,8 @@ inline int64_t decode_row_chunks(const PagedAttentionParams& p) {
 
 // A decode CTA keeps one tile per warp in flight (K and V rows); the grid streams near the read
 // bandwidth only with about kDecodeBytesInFlight in flight in all (the bandwidth times a loaded
-// round trip of about a microsecond). SmolLM2-135M at B64 (3 KV heads of 64-byte rows) kept 1.5 MiB
-// in flight with FP8 rows and read at 67% of the bandwidth, 3 MiB with bf16 rows and read at 87%
+// round trip of about a microsecond). SmolLM2-135M at B64 (3 KV heads of head size 64) kept 1.5 MiB
+// in flight with FP8 rows and read at 67% of the bandwidth, 3 MiB with bf16 rows and read at 86%
 // (perf_notes.md, section 10).
 inline constexpr int64_t kDecodeBytesInFlight = int64_t{3} << 20;
 
