@@ -154,8 +154,8 @@ inline std::optional<Splits> decode_splits(const PagedAttentionParams& p, const 
       std::max<int64_t>(min_splits, std::min<int64_t>(merge::kMaxSplits, capacity / kMinSplitTokens));
   const int64_t nearest = (target_items + row_items / 2) / row_items;
   const int64_t split_bytes = row_items * decode_cta_bytes_in_flight(p);  // in flight per split
-  const int64_t one_wave = static_cast<int64_t>(device.multiprocessors) * kDecodeCtasPerSm / row_items;
-  const int64_t in_flight = std::min((kDecodeBytesInFlight + split_bytes - 1) / split_bytes, one_wave);
+  const int64_t splits_in_one_wave = static_cast<int64_t>(device.multiprocessors) * kDecodeCtasPerSm / row_items;
+  const int64_t in_flight = std::min((kDecodeBytesInFlight + split_bytes - 1) / split_bytes, splits_in_one_wave);
   return even_splits(capacity, std::clamp(std::max(nearest, in_flight), min_splits, max_splits), decode::kTileGroup);
 }
 
