@@ -70,23 +70,12 @@ void check_benchmark_shapes() {
   }
 }
 
-// The split counts a plan may have: at least min_splits, at most max_splits.
-struct SplitRange {
-  int64_t min_splits, max_splits;
-};
-
-SplitRange split_range(const PagedAttentionParams& p, int64_t capacity) {
-  const int64_t max_split_tokens = decode::max_split_tokens(p.block_size);
-  const int64_t min_splits = (capacity + max_split_tokens - 1) / max_split_tokens;
-  return {min_splits, std::max<int64_t>(min_splits, std::min<int64_t>(merge::kMaxSplits, capacity / kMinSplitTokens))};
-}
-
 // The nearest-items rule alone, as it stood before the bytes-in-flight rule: the lower bound.
 int nearest_items_splits(const PagedAttentionParams& p, int64_t capacity) {
   const int64_t row_items = std::max<int64_t>(1, decode_row_chunks(p) * p.num_kv_heads);
   const int64_t nearest = (kH100.multiprocessors * kDecodeItemsPerSm + row_items / 2) / row_items;
-  const SplitRange range = split_range(p, capacity);
-  return even_splits(capacity, std::clamp(nearest, range.min_splits, range.max_splits), decode::kTileGroup).count;
+  const SplitBounds bounds = decode_split_bounds(p);
+  return even_splits(capacity, std::clamp(nearest, bounds.least, bounds.most), decode::kTileGroup).count;
 }
 
 void check_sweep() {
@@ -118,7 +107,7 @@ void check_sweep() {
               // back to the same count (even_splits' whole tile groups).
               const int64_t next = got->count + 1;
               expect(row_items * got->count * decode_cta_bytes_in_flight(p) >= kDecodeBytesInFlight ||
-                         row_items * next > one_wave || next > split_range(p, capacity).max_splits ||
+                         row_items * next > one_wave || next > decode_split_bounds(p).most ||
                          even_splits(capacity, next, decode::kTileGroup).count == got->count,
                      shape + ": less than kDecodeBytesInFlight in flight where one more split fits");
               expect(static_cast<int64_t>(got->count) * got->tokens >= capacity &&

@@ -138,25 +138,35 @@ inline int64_t decode_cta_bytes_in_flight(const PagedAttentionParams& p) {
          dtype_bytes(p.cache_dtype);
 }
 
+// The split counts a decode plan may take over the block table's capacity (the context known without a
+// sync): at least what the block-table slices need, at most what the merge takes and kMinSplitTokens
+// allows (never below the least). `least` above merge::kMaxSplits: the table cannot be planned.
+struct SplitBounds {
+  int64_t least, most;
+};
+
+inline SplitBounds decode_split_bounds(const PagedAttentionParams& p) {
+  const int64_t capacity = table_capacity(p);
+  const int64_t max_split_tokens = decode::max_split_tokens(p.block_size);
+  const int64_t least = (capacity + max_split_tokens - 1) / max_split_tokens;
+  return {least, std::max<int64_t>(least, std::min<int64_t>(merge::kMaxSplits, capacity / kMinSplitTokens))};
+}
+
 // Decode's splits: the count nearest kDecodeItemsPerSm items per SM, raised where that keeps less
 // than kDecodeBytesInFlight in flight (as far as the items stay one wave of kDecodeCtasPerSm CTAs
-// per SM), within what the block-table slices need and what kMinSplitTokens allows. None when the
-// table needs more splits than the merge takes (refused by paged_attention_unsupported).
+// per SM), within decode_split_bounds. None when the table needs more splits than the merge takes
+// (refused by paged_attention_unsupported).
 inline std::optional<Splits> decode_splits(const PagedAttentionParams& p, const DeviceFacts& device) {
   const int64_t target_items = static_cast<int64_t>(device.multiprocessors) * kDecodeItemsPerSm;
   const int64_t row_items = std::max<int64_t>(1, decode_row_chunks(p) * p.num_kv_heads);  // items per split
-  // Context known without a sync: the block table's capacity.
-  const int64_t capacity = table_capacity(p);
-  const int64_t max_split_tokens = decode::max_split_tokens(p.block_size);
-  const int64_t min_splits = (capacity + max_split_tokens - 1) / max_split_tokens;
-  if (min_splits > merge::kMaxSplits) return std::nullopt;
-  const int64_t max_splits =
-      std::max<int64_t>(min_splits, std::min<int64_t>(merge::kMaxSplits, capacity / kMinSplitTokens));
+  const SplitBounds bounds = decode_split_bounds(p);
+  if (bounds.least > merge::kMaxSplits) return std::nullopt;
   const int64_t nearest = (target_items + row_items / 2) / row_items;
   const int64_t split_bytes = row_items * decode_cta_bytes_in_flight(p);  // in flight per split
   const int64_t splits_in_one_wave = static_cast<int64_t>(device.multiprocessors) * kDecodeCtasPerSm / row_items;
   const int64_t in_flight = std::min((kDecodeBytesInFlight + split_bytes - 1) / split_bytes, splits_in_one_wave);
-  return even_splits(capacity, std::clamp(std::max(nearest, in_flight), min_splits, max_splits), decode::kTileGroup);
+  return even_splits(table_capacity(p), std::clamp(std::max(nearest, in_flight), bounds.least, bounds.most),
+                     decode::kTileGroup);
 }
 
 // Decode's persistent CTAs: kDecodeCtasPerSm per SM, at most the `resident` that fit.
