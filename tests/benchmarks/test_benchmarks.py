@@ -625,6 +625,26 @@ def test_write_and_amax_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path):
         assert row["targets"]["exact"] is True
 
 
+def test_generate_targets_judge_every_full_size_row_graph_and_eager():
+    import bench_generate as generate
+
+    def row(label, fp8_graph, bf16_graph, fp8_eager, bf16_eager):
+        speeds = {"fp8 paged graph": fp8_graph, "bf16 paged graph": bf16_graph, "fp8 paged eager": fp8_eager,
+                  "bf16 paged eager": bf16_eager}
+        return {"label": label, "columns": {name: {"tokens_per_s": tok_s} for name, tok_s in speeds.items() if tok_s}}
+
+    rows = [row("Llama-3-8B B32 x 8k", 1300, 1000, 1000, 1000), row("Llama-3-8B B4 x 32k", 1299, 1000, 999, 1000),
+            row("SmolLM2-135M B64 x 7680", 1400, 1000, None, 1000), row("tiny B2 x 256", 1, 1000, 1, 1000)]
+    targets = generate.evaluate_targets(rows, {})
+    speed = {name: value for name, value in targets.items() if "fp8/bf16" in name}
+    assert speed == {
+        "Llama-3-8B B32 x 8k: fp8/bf16 graph >= 1.3x": True, "Llama-3-8B B32 x 8k: fp8/bf16 eager >= 1.0x": True,
+        "Llama-3-8B B4 x 32k: fp8/bf16 graph >= 1.3x": False, "Llama-3-8B B4 x 32k: fp8/bf16 eager >= 1.0x": False,
+        "SmolLM2-135M B64 x 7680: fp8/bf16 graph >= 1.3x": True,
+        "SmolLM2-135M B64 x 7680: fp8/bf16 eager >= 1.0x": None,  # a column that did not run: n/a
+    }  # the small smoke-test row is judged on nothing
+
+
 def test_generate_busy_time_counts_overlaps_once_and_picks_attention_kernels():
     import bench_generate as generate
 
