@@ -6,9 +6,14 @@
 namespace fp8kv::cuda::merge {
 namespace {
 
+// Splits whose partial outputs a thread group loads before the weights are known, so that those
+// loads' round trip overlaps the maxima's and sums' (the splits of a batch-1 call, 32 for Llama-3-8B at
+// 32k, fit: 4 x kGroups is 32 for head size 128).
+constexpr int kEarlySplits = 4;
+
 // One CTA per row: thread s weighs split s (num_splits <= kMaxSplits); then each group of D/4 threads
-// sums a share of the splits as float4 vectors (independent loads, all in flight at once), and the
-// groups' sums are added through shared memory.
+// sums a share of the splits as float4 vectors (independent loads, all in flight at once: its first
+// kEarlySplits issued with the maxima's and sums'), and the groups' sums are added through shared memory.
 template <int D>
 __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const PagedAttentionParams p, SplitWorkspace ws) {
   constexpr int kVectors = D / 4;
@@ -20,6 +25,18 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const PagedAtten
   const int64_t row = blockIdx.x;  // query_row * num_heads + head
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int s = threadIdx.x;
+  const int group = threadIdx.x / kVectors, vector = threadIdx.x % kVectors;
+  // Loaded unconditionally (a split past the last reads the last one, a thread past the groups reads
+  // the last group's) so the loads are in flight together; an empty split's acc was never written
+  // (weight 0): selected away below, never multiplied.
+  auto acc_vector = [&](int split) {
+    return reinterpret_cast<const float4*>(ws.acc + (split * ws.rows + row) * D)[vector];
+  };
+  float4 early[kEarlySplits];
+#pragma unroll
+  for (int i = 0; i < kEarlySplits; ++i) {
+    early[i] = acc_vector(min(min(group, kGroups - 1) + i * kGroups, ws.num_splits - 1));
+  }
   // Every split writes its row's max and sum (sum 0: no keys), so both load at once.
   const float split_sum = s < ws.num_splits ? ws.row_sum[s * ws.rows + row] : 0.f;
   const float split_max = s < ws.num_splits ? ws.row_max[s * ws.rows + row] : -INFINITY;
@@ -44,17 +61,18 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const PagedAtten
   for (int x = 0; x < kThreads / 32; ++x) sum += partial[1][x];
   const float norm = sum > 0.f ? 1.f / sum : 0.f;
 
-  const int group = threadIdx.x / kVectors, vector = threadIdx.x % kVectors;
   if (group < kGroups) {
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8
-    for (int x = group; x < ws.num_splits; x += kGroups) {
-      // Loaded unconditionally so the loads of several splits are in flight together; an empty
-      // split's acc was never written (weight 0): selected away, never multiplied.
-      const float4 a = reinterpret_cast<const float4*>(ws.acc + (x * ws.rows + row) * D)[vector];
+    auto add = [&](int x, const float4& a) {
       const float w = weights[x];
       if (w != 0.f) o.x += w * a.x, o.y += w * a.y, o.z += w * a.z, o.w += w * a.w;
+    };
+#pragma unroll
+    for (int i = 0; i < kEarlySplits; ++i) {
+      if (group + i * kGroups < ws.num_splits) add(group + i * kGroups, early[i]);
     }
+#pragma unroll 8
+    for (int x = group + kEarlySplits * kGroups; x < ws.num_splits; x += kGroups) add(x, acc_vector(x));
     group_sums[group][4 * vector] = o.x, group_sums[group][4 * vector + 1] = o.y;
     group_sums[group][4 * vector + 2] = o.z, group_sums[group][4 * vector + 3] = o.w;
   }
