@@ -642,7 +642,7 @@ def test_generate_targets_judge_every_full_size_row_graph_and_eager():
         "Llama-3-8B B4 x 32k: fp8/bf16 graph >= 1.3x": False, "Llama-3-8B B4 x 32k: fp8/bf16 eager >= 1.0x": False,
         "SmolLM2-135M B64 x 7680: fp8/bf16 graph >= 1.3x": True,
         "SmolLM2-135M B64 x 7680: fp8/bf16 eager >= 1.0x": None,  # a column that did not run: n/a
-    }  # the small smoke-test row is judged on nothing
+    }  # the small smoke-test row gets no fp8/bf16 target
 
 
 def test_generate_busy_time_counts_overlaps_once_and_picks_attention_kernels():
