@@ -3,7 +3,8 @@ prefill, speculative verification and a mixed batch, every baseline measured in 
 
 Shapes (Llama-3-8B: GQA 32/8, head 128; block 16): prefill of 4096 tokens (B4); chunked prefill of
 512 new tokens over 8192 cached (B8); verification of 2, 4 and 8 draft tokens over 4096 cached (B64);
-a mixed batch in one call: 64 sequences decoding one token over 4096 cached and 2 prefilling 2048 tokens.
+a mixed batch in one call: 64 sequences decoding one token over 4096 cached and 2 prefilling 2048 tokens;
+and prefill of 4096 tokens (B4) at head sizes 64 (Llama-3.2-1B: GQA 32/8) and 256 (Gemma-3-12B: GQA 16/8).
 Columns: fp8kv e4m3 in NHD and HND storage; the same K/V in an e4m3 cache written with the rotated +
 centred recipe (docs/rotated_cache.md), read by fp8kv in the same two storages ("fp8kv e4m3
 rotated+centred NHD/HND"); bf16 scaled_dot_product_attention (causal, aligned to
@@ -86,7 +87,10 @@ def default_shapes() -> list[PrefillShape]:
     return [PrefillShape("prefill", (Sequences(4, 4096, 0),)),
             PrefillShape("chunked prefill", (Sequences(8, 512, 8192),)),
             *(PrefillShape("verify", (Sequences(64, draft, 4096),)) for draft in (2, 4, 8)),
-            PrefillShape("mixed", (Sequences(64, 1, 4096), Sequences(2, 2048, 0)))]
+            PrefillShape("mixed", (Sequences(64, 1, 4096), Sequences(2, 2048, 0))),
+            # Head sizes 64 and 256: prefill B4 x 4k on a model of each.
+            PrefillShape("prefill", (Sequences(4, 4096, 0),), model=cases.LLAMA32_1B),
+            PrefillShape("prefill", (Sequences(4, 4096, 0),), model=cases.GEMMA3_12B)]
 
 
 @dataclasses.dataclass

@@ -70,6 +70,9 @@ inline constexpr int kCudaBlockSizes[] = {8, 16, 32, 64, 128, 256};
 // row whose accumulators fit the registers) and the compute capability its code runs on.
 inline constexpr int kCudaSm90aHeadSizes[] = {64, 128};
 inline constexpr int kCudaSm90aCapability[] = {9, 0};
+// The most sequences of a multi-token call the CUDA decode kernel takes (its CTAs stage a table of
+// them in shared memory); calls of more take the multi-token kernels.
+inline constexpr int kCudaDecodeTableSeqs[] = {1024};
 
 template <typename T, std::size_t N>
 constexpr bool contains(const T (&values)[N], T value) {

@@ -5,8 +5,8 @@
 
 Covers cache write (vectorized and scalar paths, skipped slots; the rotated recipe's), kv_amax, and
 paged attention (the rotated recipe with K offsets too) for
-every cache format and head size, decode, verification and prefill (both stagings of the
-multi-token kernel), split-KV with its merge, persistent decode CTAs taking several work items, sliding window, soft cap, HND layout, partial last pages and block-table entries that are never read (-1).
+every cache format and head size, decode, verification (on the decode kernel, and forced onto the
+sm80 multi-token kernel's deep staging) and prefill, split-KV with its merge, persistent decode CTAs taking several work items, sliding window, soft cap, HND layout, partial last pages and block-table entries that are never read (-1).
 On compute capability 9.0, the warpgroup-MMA multi-token kernel also runs short queries (forced with
 FP8KV_MULTI_TOKEN_KERNEL=sm90a), whose CTAs are mostly padding rows, and 130-token chunks over 2000
 cached tokens (many tiles per CTA, split-KV).
@@ -27,7 +27,7 @@ FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, None] 
 def attention_case(head_size, block_size, group, cache_dtype, queries, hnd, window, cap, long, num_seqs=3,
                    rotated=False):
     """queries: 'decode' (one per sequence), 'verify' (1, 2 and 4 draft tokens) or 'prefill' (3
-    sequences); decode may take more sequences (the three lengths repeated)."""
+    sequences); more sequences repeat the three lengths and query lengths."""
     device = "cuda"
     num_kv_heads = 2
     query_dtype = torch.bfloat16
@@ -48,7 +48,8 @@ def attention_case(head_size, block_size, group, cache_dtype, queries, hnd, wind
     if hnd:
         key_cache, value_cache = key_cache.permute(0, 2, 1, 3), value_cache.permute(0, 2, 1, 3)
     decode = queries == "decode"
-    q_lens = torch.tensor({"decode": [1] * num_seqs, "verify": [1, 2, 4], "prefill": [1, 3 * block_size + 5, 130]}[queries])
+    q_lens = torch.tensor({"decode": [1], "verify": [1, 2, 4], "prefill": [1, 3 * block_size + 5, 130]}[queries])
+    q_lens = q_lens.repeat(num_seqs)[:num_seqs]
     q_lens = torch.minimum(q_lens, lens).int()
     cu = None if decode else torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).int()]).to(device)
     num_tokens = int(q_lens.sum())
@@ -117,6 +118,15 @@ def main():
                            cap=0.0 if cache is None else 20.0, long=True, rotated=cache is not None)
             count += 1
         del os.environ["FP8KV_MULTI_TOKEN_KERNEL"]
+    # Short queries run on the decode kernel: the sm80 kernel's deep staging (forced), and the decode
+    # kernel's multi-token items with groups of two column tiles and more, and with many sequences.
+    for kernel, group, num_seqs in (("sm80", 4, 3), ("decode", 8, 3), ("decode", 16, 3), ("decode", 4, 700)):
+        os.environ["FP8KV_MULTI_TOKEN_KERNEL"] = kernel
+        for head in heads[-2:]:
+            attention_case(head, 16, group, torch.float8_e4m3fn, "verify", hnd=group == 8, window=50 if group == 16 else -1,
+                           cap=20.0 if group == 8 else 0.0, long=num_seqs == 3, num_seqs=num_seqs, rotated=group == 16)
+            count += 1
+    del os.environ["FP8KV_MULTI_TOKEN_KERNEL"]
     for head in heads:  # decode with far more work items than resident CTAs: each CTA takes several
         attention_case(head, 16, 4, torch.float8_e4m3fn, "decode", hnd=False, window=-1, cap=0.0, long=False,
                        num_seqs=700)

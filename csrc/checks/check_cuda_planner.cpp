@@ -1,5 +1,6 @@
 // Host check of the CUDA decode planner (csrc/cuda/heuristics.h), run by scripts/check_cuda_sources.sh;
-// not part of the library. The split counts of the benchmark's decode shapes on an H100 (132 SMs),
+// not part of the library. Also which kernel takes a multi-token call, and the decode kernel's items
+// for short ones. The split counts of the benchmark's decode shapes on an H100 (132 SMs),
 // worked out by hand below, and over a sweep of shapes: the count is never below that of the
 // nearest-items rule; where the bytes-in-flight rule raises it the items stay one wave; and a plan
 // with less than kDecodeBytesInFlight in flight could not take one more split.
@@ -121,11 +122,57 @@ void check_sweep() {
   }
 }
 
+// Multi-token calls: which kernel the planner picks, and the decode kernel's items for short queries
+// (cu_seqlens_q is only tested for null here).
+void check_multi_token_routes() {
+  static const int32_t kSomeCuSeqlens[1] = {0};
+  auto queries = [](int seqs, int64_t tokens, int heads, int kv_heads, int head_size) {
+    PagedAttentionParams p = decode_call(seqs, heads, kv_heads, head_size, 4096, DType::kFloat8E4M3FN);
+    p.cu_seqlens_q = kSomeCuSeqlens;
+    p.num_query_tokens = tokens;
+    return p;
+  };
+  struct Route {
+    const char* shape;
+    PagedAttentionParams call;
+    AttentionKernel kernel;
+    int column_tiles;
+    int64_t row_chunks, bound;  // decode kernel only
+  };
+  // Longer queries: the warpgroup-MMA kernel where this build has it.
+  const AttentionKernel kLong =
+      sm90a_kernel_runs(128, kH100) ? AttentionKernel::kMultiTokenSm90a : AttentionKernel::kMultiTokenSm80;
+  const Route routes[] = {
+      // 2 draft tokens x 4 heads: one column tile per sequence.
+      {"verify B64 x 2", queries(64, 128, 32, 8, 128), AttentionKernel::kDecode, 1, 64, 64 + 64},
+      // 4 x 4 = 16 rows: two column tiles, one item per sequence and KV head.
+      {"verify B64 x 4", queries(64, 256, 32, 8, 128), AttentionKernel::kDecode, 2, 64, 64 + 64},
+      {"verify B64 x 8", queries(64, 512, 32, 8, 128), kLong, 0, 0, 0},
+      // Head size 256 (Gemma-3-12B, groups of 2): one tile.
+      {"Gemma verify B64 x 4", queries(64, 256, 16, 8, 256), AttentionKernel::kDecode, 1, 64, 64 + 64},
+      {"mixed: 64 decodes + 2 x 2k", queries(66, 64 + 4096, 32, 8, 128), kLong, 0, 0, 0},
+      {"short rows, 1025 sequences", queries(1025, 1025, 32, 8, 128), AttentionKernel::kMultiTokenSm80, 0, 0, 0},
+  };
+  for (const Route& r : routes) {
+    const AttentionKernel kernel = attention_kernel(r.call, MultiTokenRequest::kAuto, kH100);
+    expect(kernel == r.kernel, std::string(r.shape) + ": kernel " + std::to_string(static_cast<int>(kernel)));
+    if (kernel != AttentionKernel::kDecode) continue;
+    expect(decode_column_tiles(r.call) == r.column_tiles, std::string(r.shape) + ": column tiles");
+    expect(decode_row_chunks(r.call) == r.row_chunks, std::string(r.shape) + ": row chunks");
+    expect(decode_row_chunk_bound(r.call) == r.bound, std::string(r.shape) + ": row chunk bound");
+  }
+  expect(attention_kernel(routes[1].call, MultiTokenRequest::kSm80, kH100) == AttentionKernel::kMultiTokenSm80,
+         "a named kernel runs");
+  expect(attention_kernel(routes[2].call, MultiTokenRequest::kDecode, kH100) == AttentionKernel::kDecode,
+         "the decode kernel when named");
+}
+
 }  // namespace
 }  // namespace fp8kv::cuda
 
 int main() {
   fp8kv::cuda::check_benchmark_shapes();
   fp8kv::cuda::check_sweep();
+  fp8kv::cuda::check_multi_token_routes();
   return fp8kv::checks::finish("check_cuda_planner");
 }

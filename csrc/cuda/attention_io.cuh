@@ -95,6 +95,7 @@ struct QueryRow {
   bool valid;
   bool bf16;
 
+  QueryRow() = default;  // set before use
   __device__ __forceinline__ QueryRow(const PagedAttentionParams& p, int64_t query_row, int head, bool query_bf16)
       : data(static_cast<const uint8_t*>(p.query) +
              (query_row >= 0 ? (query_row * p.query_token_stride + static_cast<int64_t>(head) * p.query_head_stride) * 2

@@ -7,7 +7,7 @@
 namespace fp8kv::cuda {
 
 enum class AttentionKernel {
-  kDecode,           // one query row per sequence (decode.cuh)
+  kDecode,           // decode, and short multi-token queries (decode.cuh)
   kMultiTokenSm80,   // mma.sync, every GPU (multi_token_sm80.cuh)
   kMultiTokenSm90a,  // warp-specialized with warpgroup MMAs, Hopper (multi_token_sm90a.cuh)
 };
@@ -18,7 +18,10 @@ struct AttentionPlan {
   int num_splits;     // context splits (flash-decoding); 1 writes `out` directly
   int split_tokens;   // context positions per split, a multiple of the kernel's tile group
   bool deep_staging;  // the sm80 multi-token kernel's staging (tiles.h)
-  int64_t row_chunks;   // decode: sequences x query-head chunks (work items per split and KV head)
+  int64_t row_chunks;   // decode: row chunks of all sequences (work items per split and KV head; a bound
+                        // for multi-token queries)
+  int column_tiles;     // decode: 8-row column tiles per row chunk
+  int sequence_table_bytes;  // decode of multi-token queries: the CTAs' table of the sequences (else 0)
   int64_t ctas;         // decode: persistent CTAs taking the work items
   int64_t query_tiles;  // multi-token: grid.x, the query tiles of all sequences (a bound)
 };

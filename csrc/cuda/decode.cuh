@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <climits>
+#include <type_traits>
 
 #include "attention_io.cuh"
 #include "launch.h"
@@ -48,22 +49,29 @@ struct RowInfo {
   int head;           // query head
 };
 
-// A work item's query rows: heads head0 .. head0 + count - 1 of sequence seq; columns n >= count of
-// the mma are padding.
+// A work item's query rows, its columns: rows first .. first + count - 1 of its sequence's q_len x group
+// rows at its KV head (query token j, head h of the group at row j * group + h); columns n >= count
+// are padding. kQueries: multi-token queries; else decode (q_len = 1, every row is token 0).
+template <bool kQueriesValue>
 struct RowSet {
-  int seq;
-  int head0;
+  static constexpr bool kQueries = kQueriesValue;
+  int first_token;  // the sequence's first query row
+  int group;
+  int head0;  // the KV head's first query head (decode: the item's first)
+  int first;
   int count;
 
+  __device__ __forceinline__ int token(int n) const { return kQueries ? (first + n) / group : 0; }  // within the sequence
   __device__ __forceinline__ RowInfo operator[](int n) const {
-    return n < count ? RowInfo{seq, head0 + n} : RowInfo{-1, 0};
+    if (n >= count) return RowInfo{-1, 0};
+    return kQueries ? RowInfo{first_token + token(n), head0 + (first + n) % group} : RowInfo{first_token, head0 + n};
   }
 };
 
-// A work item's place: its row chunk (sequence and query-head chunk), split and KV head.
+// A work item's place: its sequence, its row chunk of that sequence, split and KV head.
 struct ItemIndex {
-  int row_chunk;
   int seq;
+  int chunk;
   int split;
   int kv_head;
 };
@@ -72,7 +80,10 @@ struct ItemIndex {
 struct CtaWork {
   int seq;
   int kv_head;
-  int lo, hi;              // cache positions this CTA reads: [lo, hi)
+  int seq_len;             // clamped to the table's capacity
+  int q_len;               // the sequence's query tokens (1 for decode)
+  int lo, hi;              // cache positions this CTA reads: [lo, hi), what any of its rows sees
+  int interior_lo, interior_hi;  // positions every row sees (tiles inside need no mask)
   int block_shift;         // log2(block_size)
   int first_page;          // block-table index of the split's first position (start of the staged slice)
 };
@@ -241,23 +252,40 @@ __device__ __forceinline__ void read_tile(TileRegs<C, D>& regs, const uint8_t* s
   }
 }
 
-// The lane's online-softmax state is for its two query columns 2t and 2t + 1, its accumulators the
-// O^T fragments [m-tile][c0..c3].
+// The lane's online-softmax state is for its two query columns 2t and 2t + 1 of a column tile, its
+// accumulators the O^T fragments [m-tile][c0..c3].
 template <int D>
 using SoftmaxState = OnlineSoftmax<D / 16>;
 
-template <DType C, int D>
-__device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const uint32_t (&q_frag)[D / 16][2],
-                                            SoftmaxState<D>& st, int tile_start, bool interior,
-                                            const int (&lo)[2], const int (&hi)[2], float logit_multiplier,
-                                            float soft_cap, const float (&logit_offset)[2], int lane) {
+// How the lane's logits are formed and masked: the logit multiplier, soft cap and, per column tile,
+// the logit offsets (see soft_capped) and visible positions of its two columns 2t, 2t + 1 (padding
+// columns see nothing).
+template <int NT>
+struct LogitRule {
+  float multiplier;
+  float soft_cap;
+  float offset[NT][2];
+  int lo[NT][2], hi[NT][2];
+};
+
+// One 16-token tile for the item's NT column tiles: the K and V fragments are converted once and
+// serve every column tile.
+template <DType C, int D, int NT>
+__device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const uint32_t (&q_frag)[NT][D / 16][2],
+                                            SoftmaxState<D> (&st)[NT], int tile_start, bool interior,
+                                            const LogitRule<NT>& rule, int lane) {
   using L = Layout<C, D>;
   constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
   const int g = lane / 4;
 
-  // S^T (16 tokens x 8 columns) = K (16 x D) . Q^T (D x 8), in two independent accumulation chains
-  // (even and odd k-steps) so consecutive tensor-core ops do not wait on each other.
-  float s[4] = {0.f, 0.f, 0.f, 0.f}, s_odd[4] = {0.f, 0.f, 0.f, 0.f};
+  // S^T (16 tokens x 8 columns) = K (16 x D) . Q^T (D x 8) per column tile, in two independent
+  // accumulation chains (even and odd k-steps) so consecutive tensor-core ops do not wait on each other.
+  float s[NT][4], s_odd[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[nt][i] = 0.f, s_odd[nt][i] = 0.f;
+  }
 #pragma unroll
   for (int step = 0; step < L::kSteps; ++step) {
     uint32_t a[4];
@@ -268,51 +296,60 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
       a[0] = regs.k[0][2 * step], a[2] = regs.k[0][2 * step + 1];
       a[1] = regs.k[1][2 * step], a[3] = regs.k[1][2 * step + 1];
     }
-    mma_16x8x16<kBf16>(step % 2 == 0 ? s : s_odd, a, q_frag[step][0], q_frag[step][1]);
-  }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) s[i] += s_odd[i];
+    for (int nt = 0; nt < NT; ++nt) {
+      mma_16x8x16<kBf16>(step % 2 == 0 ? s[nt] : s_odd[nt], a, q_frag[nt][step][0], q_frag[nt][step][1]);
+    }
+  }
 
-  // Logits in the log2 domain: s[i] is token g + 8 * (i / 2), column 2t + i % 2. Only tiles at the
-  // edges of the rows' ranges need the mask (`interior` is uniform across the warp).
+  uint32_t p_frag[NT][2];  // P^T fragments (16 tokens x 8 columns) per column tile
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    s[i] = soft_capped(s[i] * logit_multiplier, soft_cap, logit_offset[i % 2]);
-  }
-  if (!interior) {
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[nt][i] += s_odd[nt][i];
+    // Logits in the log2 domain: s[i] is token g + 8 * (i / 2), column 2t + i % 2. Only tiles at the
+    // edges of the rows' ranges need the mask (`interior` is uniform across the warp).
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int pos = tile_start + g + 8 * (i / 2);
+      s[nt][i] = soft_capped(s[nt][i] * rule.multiplier, rule.soft_cap, rule.offset[nt][i % 2]);
+    }
+    if (!interior) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int pos = tile_start + g + 8 * (i / 2);
+        const int c = i % 2;
+        if (!(pos >= rule.lo[nt][c] && pos < rule.hi[nt][c])) s[nt][i] = -INFINITY;
+      }
+    }
+    float tile_max[2] = {fmaxf(s[nt][0], s[nt][2]), fmaxf(s[nt][1], s[nt][3])};
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+#pragma unroll
+      for (int mask = 4; mask < 32; mask <<= 1) {
+        tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], mask));
+      }
+      if (tile_max[c] > st[nt].rescale_threshold(c)) {
+        float rescale;
+        st[nt].move_max(c, fmaxf(tile_max[c], st[nt].row_max[c]), rescale);
+#pragma unroll
+        for (int j = 0; j < D / 16; ++j) st[nt].acc[j][c] *= rescale, st[nt].acc[j][c + 2] *= rescale;
+      }
+    }
+    float prob[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
       const int c = i % 2;
-      if (!(pos >= lo[c] && pos < hi[c])) s[i] = -INFINITY;
+      // A column with no visible key so far keeps row_max = -inf: its probabilities are exp2(-inf) = 0.
+      const float reference = st[nt].row_max[c] == -INFINITY ? 0.f : st[nt].row_max[c];
+      prob[i] = fast_exp2(s[nt][i] - reference);
+      st[nt].row_sum[c] += prob[i];
     }
+    // P^T fragments from S^T's accumulator layout.
+    p_frag[nt][0] = transpose_8x8(pack_pair<kBf16>(prob[0], prob[1]));
+    p_frag[nt][1] = transpose_8x8(pack_pair<kBf16>(prob[2], prob[3]));
   }
-  float tile_max[2] = {fmaxf(s[0], s[2]), fmaxf(s[1], s[3])};
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-#pragma unroll
-    for (int mask = 4; mask < 32; mask <<= 1) tile_max[c] = fmaxf(tile_max[c], __shfl_xor_sync(0xffffffffu, tile_max[c], mask));
-    if (tile_max[c] > st.rescale_threshold(c)) {
-      float rescale;
-      st.move_max(c, fmaxf(tile_max[c], st.row_max[c]), rescale);
-#pragma unroll
-      for (int j = 0; j < D / 16; ++j) st.acc[j][c] *= rescale, st.acc[j][c + 2] *= rescale;
-    }
-  }
-  float prob[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int c = i % 2;
-    // A column with no visible key so far keeps row_max = -inf: its probabilities are exp2(-inf) = 0.
-    const float reference = st.row_max[c] == -INFINITY ? 0.f : st.row_max[c];
-    prob[i] = fast_exp2(s[i] - reference);
-    st.row_sum[c] += prob[i];
-  }
-  // P^T fragments (16 tokens x 8 columns) from S^T's accumulator layout.
-  const uint32_t p0 = transpose_8x8(pack_pair<kBf16>(prob[0], prob[1]));
-  const uint32_t p1 = transpose_8x8(pack_pair<kBf16>(prob[2], prob[3]));
 
-  // O^T (D x 8) += V^T (D x 16 tokens) . P^T.
+  // O^T (D x 8) += V^T (D x 16 tokens) . P^T per column tile.
 #pragma unroll
   for (int j = 0; j < D / 16; ++j) {
     uint32_t a[4];
@@ -330,18 +367,83 @@ __device__ __forceinline__ void attend_tile(const TileRegs<C, D>& regs, const ui
       a[2] = byte_perm(regs.v[2][j], regs.v[3][j], 0x5410u);
       a[3] = byte_perm(regs.v[2][j], regs.v[3][j], 0x7632u);
     }
-    mma_16x8x16<kBf16>(st.acc[j], a, p0, p1);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) mma_16x8x16<kBf16>(st[nt].acc[j], a, p_frag[nt][0], p_frag[nt][1]);
   }
 }
 
-// Work item `item` of the queue (tiles.h: the KV head fastest, the sequence slowest).
-__device__ __forceinline__ ItemIndex item_index(const PagedAttentionParams& p, int num_splits, int item) {
+// Multi-token queries: the sequences' query starts (cu_seqlens_q, clamped into [0, num_query_tokens])
+// and first row chunks, staged in shared memory by every CTA (stage_sequence_table); entry num_seqs
+// holds the totals.
+struct SequenceTable {
+  int* q_start;      // [num_seqs + 1]
+  int* chunk_start;  // [num_seqs + 1]
+};
+
+// Fills the table with a block-wide scan of the sequences' row-chunk counts (ceil(q_len * group /
+// columns) each) and returns the number of row chunks. Called by every thread of the CTA.
+__device__ __forceinline__ int stage_sequence_table(const PagedAttentionParams& p, int columns, SequenceTable table) {
+  __shared__ int warp_totals[kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int group = p.num_heads / p.num_kv_heads;
+  const int num_tokens = static_cast<int>(p.num_query_tokens);  // the planner takes int-sized calls only
+  int base = 0;  // chunks of the sequences before this block of them
+  for (int start = 0; start < p.num_seqs; start += kThreads) {
+    const int i = start + threadIdx.x;
+    int q_start = 0, chunks = 0;
+    if (i < p.num_seqs) {
+      q_start = min(max(__ldg(p.cu_seqlens_q + i), 0), num_tokens);
+      const int q_end = min(max(__ldg(p.cu_seqlens_q + i + 1), q_start), num_tokens);
+      chunks = ((q_end - q_start) * group + columns - 1) / columns;
+      table.q_start[i] = q_start;
+      if (i == p.num_seqs - 1) table.q_start[p.num_seqs] = q_end;
+    }
+    int inclusive = chunks;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int other = __shfl_up_sync(0xffffffffu, inclusive, d);
+      if (lane >= d) inclusive += other;
+    }
+    if (lane == 31) warp_totals[warp] = inclusive;
+    __syncthreads();
+    int first = base + inclusive - chunks, total = 0;
+#pragma unroll
+    for (int x = 0; x < kWarps; ++x) {
+      if (x < warp) first += warp_totals[x];
+      total += warp_totals[x];
+    }
+    if (i < p.num_seqs) table.chunk_start[i] = first;
+    base += total;
+    __syncthreads();  // warp_totals is rewritten by the next block of sequences
+  }
+  if (threadIdx.x == 0) table.chunk_start[p.num_seqs] = base;
+  __syncthreads();
+  return base;
+}
+
+// Work item `item` of the queue (tiles.h: the KV head fastest, the sequence slowest). Decode: every
+// sequence has the same row chunks of kColumns query heads; multi-token queries: the table's.
+template <bool kQueries, int kColumns>
+__device__ __forceinline__ ItemIndex item_index(const PagedAttentionParams& p, int num_splits,
+                                               const SequenceTable& table, int item) {
   ItemIndex at;
   at.kv_head = item % p.num_kv_heads;
   at.split = (item / p.num_kv_heads) % num_splits;
-  at.row_chunk = item / (p.num_kv_heads * num_splits);
-  at.seq = at.row_chunk / ((group + kRows - 1) / kRows);
+  const int chunk = item / (p.num_kv_heads * num_splits);
+  if constexpr (!kQueries) {
+    const int chunks_per_seq = (p.num_heads / p.num_kv_heads + kColumns - 1) / kColumns;
+    at.seq = chunk / chunks_per_seq;
+    at.chunk = chunk - at.seq * chunks_per_seq;
+  } else {
+    // The last sequence whose first chunk is at most `chunk` (those without rows share it with the next).
+    int lo = 0, hi = p.num_seqs - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (table.chunk_start[mid] <= chunk) lo = mid; else hi = mid - 1;
+    }
+    at.seq = lo;
+    at.chunk = chunk - table.chunk_start[lo];
+  }
   return at;
 }
 
@@ -366,27 +468,36 @@ __device__ __forceinline__ void prefetch_item(const PagedAttentionParams& p, con
   if (threadIdx.x == 0) copy_async<4>(seq_len, p.seq_lens + at.seq, true);
 }
 
-// An item's work: its rows (query heads of one chunk of the group) and cache range from its sequence
-// length. Every row sees the same positions, [w.lo, w.hi).
+// An item's work: its rows (a chunk of its sequence's rows at its KV head) and the cache positions they
+// see (causal per query token, within the split); the range of any row and of every row.
+template <bool kQueries>
 __device__ __forceinline__ void item_work(const PagedAttentionParams& p, const WorkQueue& queue, const ItemIndex& at,
-                                          int seq_len, CtaWork& w, RowSet& rows) {
+                                          int seq_len, int columns, const SequenceTable& table, CtaWork& w,
+                                          RowSet<kQueries>& rows) {
   const int group = p.num_heads / p.num_kv_heads;
-  const int head_chunk = at.row_chunk - at.seq * ((group + kRows - 1) / kRows);
+  w.q_len = kQueries ? table.q_start[at.seq + 1] - table.q_start[at.seq] : 1;
+  rows.first_token = kQueries ? table.q_start[at.seq] : at.seq;
+  rows.group = group;
+  rows.first = at.chunk * columns;
+  rows.head0 = at.kv_head * group + (kQueries ? 0 : rows.first);
+  rows.count = min(columns, w.q_len * group - rows.first);
   // Clamped to the table's capacity so that unchecked (non-debug) input never reads past it.
-  seq_len = min(seq_len, p.max_blocks_per_seq * p.block_size);
-  const KeyRange<int> keys = visible_keys(seq_len, 1, 0, p.sliding_window);
-  rows.seq = at.seq;
-  rows.head0 = at.kv_head * group + head_chunk * kRows;
-  rows.count = min(kRows, group - head_chunk * kRows);
+  w.seq_len = min(seq_len, p.max_blocks_per_seq * p.block_size);
+  const int split_lo = at.split * queue.split_tokens, split_hi = split_lo + queue.split_tokens;
+  // Causal: the item's first token sees the fewest positions, its last the most.
+  const KeyRange<int> first = visible_keys(w.seq_len, w.q_len, rows.token(0), p.sliding_window);
+  const KeyRange<int> last = visible_keys(w.seq_len, w.q_len, rows.token(rows.count - 1), p.sliding_window);
   w.seq = at.seq;
   w.kv_head = at.kv_head;
   w.block_shift = __ffs(p.block_size) - 1;
-  w.lo = max(keys.begin, at.split * queue.split_tokens);
-  w.hi = min(keys.end, (at.split + 1) * queue.split_tokens);
+  w.lo = max(first.begin, split_lo);
+  w.hi = min(last.end, split_hi);
+  w.interior_lo = max(last.begin, split_lo);
+  w.interior_hi = min(first.end, split_hi);
   w.first_page = split_first_page(p, queue, at.split);
 }
 
-// Q^T fragments for S = K Q^T: column g of B is query row g; its k-step `step` holds the lane's
+// Q^T fragments for S = K Q^T of one column tile: column g of B is the tile's query row g; its k-step `step` holds the lane's
 // K elements 4*step .. 4*step+3 (see Layout::key_dim). In two steps, so that the query's round trip
 // overlaps the block table's: load_query issues the loads (raw pairs in q_frag), query_operands
 // converts them in place once the table slice has been read.
@@ -394,9 +505,9 @@ template <DType C>
 using KernelQueryRow = QueryRow<CacheTraits<C>::kBf16Math>;
 
 template <DType C, int D>
-__device__ __forceinline__ KernelQueryRow<C> load_query(const PagedAttentionParams& p, const RowSet& rows,
-                                                        int g, int t, bool query_bf16, uint32_t (&q_frag)[D / 16][2]) {
-  const KernelQueryRow<C> q(p, rows[g].query_row, rows[g].head, query_bf16);
+__device__ __forceinline__ KernelQueryRow<C> load_query(const PagedAttentionParams& p, const RowInfo& row, int t,
+                                                        bool query_bf16, uint32_t (&q_frag)[D / 16][2]) {
+  const KernelQueryRow<C> q(p, row.query_row, row.head, query_bf16);
 #pragma unroll
   for (int step = 0; step < D / 16; ++step) {
 #pragma unroll
@@ -447,29 +558,31 @@ __device__ __forceinline__ float query_operands(const PagedAttentionParams& p, i
   return -0.f;
 }
 
-// How the lane's logits are formed and masked: the logit multiplier, soft cap and logit offsets
-// (see soft_capped), and the visible positions of its two columns 2t, 2t + 1 (padding columns see
-// nothing). `row_offset`: query_operands' offset of the lane's own row g.
-struct LogitRule {
-  float multiplier;
-  float soft_cap;
-  float offset[2];
-  int lo[2], hi[2];
-};
-
-template <DType C>
-__device__ __forceinline__ LogitRule logit_rule(const PagedAttentionParams& p, const CtaWork& w,
-                                                const RowSet& rows, int t, float row_offset) {
-  LogitRule r;
+// The lane's LogitRule: column n = 8 * nt + 2t + c sees its query token's positions within the item's
+// range. `row_offset[nt]`: query_operands' offset of the lane's own row g of column tile nt.
+template <DType C, int NT, typename Rows>
+__device__ __forceinline__ LogitRule<NT> logit_rule(const PagedAttentionParams& p, const CtaWork& w,
+                                                    const Rows& rows, int t, const float (&row_offset)[NT]) {
+  LogitRule<NT> r;
   r.multiplier = logit_multiplier<C>(p, w.kv_head);
   r.soft_cap = p.logits_soft_cap;
 #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const bool valid = rows[2 * t + c].query_row >= 0;
-    r.lo[c] = valid ? w.lo : 0;
-    r.hi[c] = valid ? w.hi : 0;
-    // Column 2t + c is the row of the lanes with g = 2t + c.
-    r.offset[c] = CacheTraits<C>::kIsFp8 ? __shfl_sync(0xffffffffu, row_offset, 4 * (2 * t + c)) : -0.f;
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int n = kRows * nt + 2 * t + c;
+      const bool valid = rows[n].query_row >= 0;
+      if constexpr (Rows::kQueries) {
+        const KeyRange<int> keys = visible_keys(w.seq_len, w.q_len, rows.token(n), p.sliding_window);
+        r.lo[nt][c] = valid ? max(keys.begin, w.lo) : 0;
+        r.hi[nt][c] = valid ? min(keys.end, w.hi) : 0;
+      } else {  // decode: every row sees [w.lo, w.hi)
+        r.lo[nt][c] = valid ? w.lo : 0;
+        r.hi[nt][c] = valid ? w.hi : 0;
+      }
+      // Column 2t + c is the row of the lanes with g = 2t + c.
+      r.offset[nt][c] = CacheTraits<C>::kIsFp8 ? __shfl_sync(0xffffffffu, row_offset[nt], 4 * (2 * t + c)) : -0.f;
+    }
   }
   return r;
 }
@@ -493,11 +606,11 @@ __device__ __forceinline__ void rotate_output(SoftmaxState<D>& st) {
   }
 }
 
-// Merges the warps' states through shared memory and writes each row: thread items cover kRows
-// columns x D dims, two adjacent dims per item. The caller syncs before the scratch is reused.
-template <DType C, int D>
+// Merges the warps' states of column tile nt through shared memory and writes each row: thread items
+// cover kRows columns x D dims, two adjacent dims per item. The caller syncs before the scratch is reused.
+template <DType C, int D, typename Rows>
 __device__ __forceinline__ void merge_warps_and_write(const PagedAttentionParams& p, const SplitWorkspace& ws,
-                                                      int split, const CtaWork& w, const RowSet& rows,
+                                                      int split, const CtaWork& w, const Rows& rows, int nt,
                                                       bool out_bf16, int g, int t, int warp, SoftmaxState<D>& st,
                                                       uint8_t* smem, ItemShared& shared) {
   using L = Layout<C, D>;
@@ -538,7 +651,7 @@ __device__ __forceinline__ void merge_warps_and_write(const PagedAttentionParams
   for (int item = threadIdx.x; item < kRows * D / 2; item += kThreads) {
     const int n = item / (D / 2);
     const int d = 2 * (item % (D / 2));
-    const RowInfo row = rows[n];
+    const RowInfo row = rows[kRows * nt + n];
     if (row.query_row < 0) continue;
     float max_all = -INFINITY;
 #pragma unroll
@@ -557,16 +670,18 @@ __device__ __forceinline__ void merge_warps_and_write(const PagedAttentionParams
   }
 }
 
-// The item a CTA takes after its current one: from the queue when there are more items than CTAs (a
-// CTA's first item is its own index), else none (queue.items), and the counter is not touched.
+// The item a CTA takes after its current one: from the queue when there may be more items than CTAs
+// (a CTA's first item is its own index), else none (queue.items), and the counter is not touched.
 __device__ __forceinline__ int claim_item(const WorkQueue& queue) {
   return queue.items > static_cast<int>(gridDim.x) ? gridDim.x + atomicAdd(queue.taken, 1) : queue.items;
 }
 
-template <DType C, int D>
-__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
+// NT: column tiles per item (1 for decode); kQueries: multi-token queries (cu_seqlens_q), else decode.
+template <DType C, int D, int NT, bool kQueries>
+__global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, NT, kQueries))
     decode_kernel(const PagedAttentionParams p, SplitWorkspace ws, WorkQueue queue) {
   using Stg = Staging<C, D>;
+  constexpr int kColumns = kRows * NT;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;  // mma fragment coordinates
   if (ws.num_splits > 1) allow_dependent_grid();  // the merge may start its CTAs (they wait for this grid)
@@ -576,11 +691,20 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
   uint8_t* const ring = smem + warp * Stg::kStages * Stg::kStageBytes;
   const bool query_bf16 = p.query_dtype == DType::kBFloat16;  // also the output's
 
+  // Decode: every sequence has the same row chunks and queue.items is exact. Multi-token queries: the
+  // sequences' chunks are counted here, from cu_seqlens_q (after the two block-table slices).
+  const SequenceTable table{slices + 2 * queue.slice_entries, slices + 2 * queue.slice_entries + p.num_seqs + 1};
+  int items = queue.items;
+  if constexpr (kQueries) {
+    items = stage_sequence_table(p, kColumns, table) * ws.num_splits * p.num_kv_heads;
+    if (static_cast<int>(blockIdx.x) >= items) return;  // the grid is sized for a bound
+  }
+
   // Persistent CTAs: the first item is the CTA's own index, later ones come from the queue. While an
   // item streams, the next one's block-table slice and sequence length are copied into the other
   // buffer; when it ends, the next item's first tiles and query are requested before its merge, so
   // that an item's ramp overlaps the previous item's end.
-  ItemIndex at = item_index(p, ws.num_splits, blockIdx.x);
+  ItemIndex at = item_index<kQueries, kColumns>(p, ws.num_splits, table, blockIdx.x);
   int buffer = 0;
   int ticket = 0;  // thread 0: the item after the next one
   if (threadIdx.x == 0) ticket = claim_item(queue);
@@ -591,14 +715,14 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
   __syncthreads();
 
   CtaWork w;
-  RowSet rows;
-  uint32_t q_frag[D / 16][2];
-  KernelQueryRow<C> query(p, -1, 0, query_bf16);
+  RowSet<kQueries> rows;
+  uint32_t q_frag[NT][D / 16][2];
+  KernelQueryRow<C> query[NT] = {};
   int first_tile = 0, my_tiles = 0;
   // Starts the item `at` from its shared buffer: its range, its first kStages - 1 tiles (one copy
   // group each) and its query loads (raw bits in q_frag; query_operands converts them).
   auto begin_item = [&]() {
-    item_work(p, queue, at, shared.seq_len[buffer], w, rows);
+    item_work(p, queue, at, shared.seq_len[buffer], kColumns, table, w, rows);
     first_tile = (w.lo / kTileTokens) * kTileTokens;
     const int num_tiles = w.hi > w.lo ? (w.hi - first_tile + kTileTokens - 1) / kTileTokens : 0;
     // Warp `warp` takes tiles warp, warp + kWarps, ... of the item.
@@ -612,20 +736,26 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
       }
       copy_async_commit();
     }
-    query = load_query<C, D>(p, rows, g, t, query_bf16, q_frag);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) query[nt] = load_query<C, D>(p, rows[kRows * nt + g], t, query_bf16, q_frag[nt]);
+  };
+  float row_offset[NT];
+  auto query_ready = [&]() {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) row_offset[nt] = query_operands<C, D>(p, w.kv_head, query[nt], t, q_frag[nt]);
   };
   begin_item();
-  float row_offset = query_operands<C, D>(p, w.kv_head, query, t, q_frag);
+  query_ready();
 
   for (;;) {
     const int next = shared.next_item;
-    const bool has_next = next < queue.items;
-    const ItemIndex next_at = item_index(p, ws.num_splits, has_next ? next : 0);
+    const bool has_next = next < items;
+    const ItemIndex next_at = item_index<kQueries, kColumns>(p, ws.num_splits, table, has_next ? next : 0);
     auto prefetch_next = [&]() {
       if (has_next) prefetch_item(p, queue, next_at, slices + (buffer ^ 1) * queue.slice_entries, &shared.seq_len[buffer ^ 1]);
     };
-    const LogitRule rule = logit_rule<C>(p, w, rows, t, row_offset);
-    SoftmaxState<D> st;
+    const LogitRule<NT> rule = logit_rule<C, NT>(p, w, rows, t, row_offset);
+    SoftmaxState<D> st[NT];
     // The main loop: warp `warp` attends to its tiles of [w.lo, w.hi) through its own ring of kStages
     // shared-memory stages (kStages - 1 tiles in flight). It stays in the kernel body: as a function
     // it shifts the register allocation of some instantiations' loop.
@@ -646,9 +776,10 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
         copy_async_wait<Stg::kStages - 1>();
         __syncwarp();  // rows copied by other lanes are visible
         read_tile<C, D>(regs, ring + (k % Stg::kStages) * Stg::kStageBytes, lane);
-        const bool interior = tile_start(k) >= w.lo && tile_start(k) + kTileTokens <= w.hi;
-        attend_tile<C, D>(regs, q_frag, st, tile_start(k), interior, rule.lo, rule.hi, rule.multiplier,
-                          rule.soft_cap, rule.offset, lane);
+        // Decode: every row sees [w.lo, w.hi).
+        const bool interior = kQueries ? tile_start(k) >= w.interior_lo && tile_start(k) + kTileTokens <= w.interior_hi
+                                       : tile_start(k) >= w.lo && tile_start(k) + kTileTokens <= w.hi;
+        attend_tile<C, D, NT>(regs, q_frag, st, tile_start(k), interior, rule, lane);
         __syncwarp();  // every lane has read the slot before it is refilled
       }
       if (my_tiles == 0) prefetch_next();
@@ -657,7 +788,7 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
     }
     __syncthreads();  // the next slice is visible; every warp is done with the ring
     const CtaWork done = w;
-    const RowSet done_rows = rows;
+    const RowSet<kQueries> done_rows = rows;
     const int done_split = at.split;
     if (has_next) {
       at = next_at;
@@ -665,43 +796,66 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D))
       if (threadIdx.x == 0) ticket = claim_item(queue);
       begin_item();  // its tiles and query are in flight during the merge
     }
-    merge_warps_and_write<C, D>(p, ws, done_split, done, done_rows, query_bf16, g, t, warp, st, smem, shared);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      if (nt > 0) __syncthreads();  // the previous column tile's merge has read the scratch
+      merge_warps_and_write<C, D>(p, ws, done_split, done, done_rows, nt, query_bf16, g, t, warp, st[nt], smem,
+                                  shared);
+    }
     if (!has_next) break;
     if (threadIdx.x == 0) shared.next_item = ticket;
-    row_offset = query_operands<C, D>(p, w.kv_head, query, t, q_frag);
+    query_ready();
     __syncthreads();  // the merge has read the ring's last stages before they are refilled
   }
 }
 
-// Dynamic shared memory of a launch: the ring, ItemShared and two block-table slices of the plan's size.
+// Dynamic shared memory of a launch: the ring, ItemShared, two block-table slices of the plan's size and,
+// for multi-token queries, the sequence table.
 template <DType C, int D>
 int launch_smem_bytes(const AttentionPlan& plan, int block_size) {
-  return Staging<C, D>::kPagesOffset + 2 * pages_bytes(plan, block_size);
+  return Staging<C, D>::kPagesOffset + 2 * pages_bytes(plan, block_size) + plan.sequence_table_bytes;
 }
 
-template <DType C, int D>
-cudaError_t launch_head(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
-                        int* taken, cudaStream_t stream) {
+template <DType C, int D, int NT, bool kQueries>
+cudaError_t launch_tiles(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
+                         int* taken, cudaStream_t stream) {
   const int64_t items = plan.row_chunks * plan.num_splits * p.num_kv_heads;
   const WorkQueue queue{taken, static_cast<int>(items), plan.split_tokens,
                         pages_bytes(plan, p.block_size) / 4};
   const int64_t ctas = std::min(items, plan.ctas);
-  // The counter is used only when the items outnumber the CTAs: a call of one wave has no memset (a
-  // node before the kernel in a CUDA graph, 0.6-1.0 us of a replay: perf_notes.md, section 8).
+  // The counter is used only when the items may outnumber the CTAs: a call of one wave has no memset
+  // (a node before the kernel in a CUDA graph, 0.6-1.0 us of a replay: perf_notes.md, section 8).
   if (items > ctas) {
     const cudaError_t status = cudaMemsetAsync(taken, 0, sizeof(int), stream);
     if (status != cudaSuccess) return status;
   }
-  decode_kernel<C, D><<<static_cast<unsigned>(ctas), kThreads, launch_smem_bytes<C, D>(plan, p.block_size), stream>>>(
-      p, ws, queue);
+  decode_kernel<C, D, NT, kQueries><<<static_cast<unsigned>(ctas), kThreads, launch_smem_bytes<C, D>(plan, p.block_size),
+                            stream>>>(p, ws, queue);
   return merge::after_attention(p, ws, stream);
+}
+
+// The kernel instantiation of a plan: visit(column tiles, multi-token queries) for decode (one tile),
+// or multi-token queries with one or kMaxColumnTiles tiles (see max_column_tiles).
+template <int D, typename Visit>
+auto with_kernel_variant(const AttentionPlan& plan, Visit&& visit) {
+  using One = std::integral_constant<int, 1>;
+  if (plan.sequence_table_bytes == 0) return visit(One{}, std::false_type{});
+  if constexpr (max_column_tiles(D) > 1) {
+    if (plan.column_tiles == kMaxColumnTiles) {
+      return visit(std::integral_constant<int, kMaxColumnTiles>{}, std::true_type{});
+    }
+  }
+  return visit(One{}, std::true_type{});
 }
 
 template <DType C>
 cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws, int* taken,
                    cudaStream_t stream) {
   return dispatch<kCudaHeadSizes>(p.head_size, cudaErrorInvalidValue, [&](auto head) {
-    return launch_head<C, decltype(head)::value>(p, plan, ws, taken, stream);
+    constexpr int kHead = decltype(head)::value;
+    return with_kernel_variant<kHead>(plan, [&](auto tiles, auto queries) {
+      return launch_tiles<C, kHead, decltype(tiles)::value, decltype(queries)::value>(p, plan, ws, taken, stream);
+    });
   });
 }
 
@@ -711,9 +865,13 @@ template <DType C>
 int occupancy(const AttentionPlan& plan, int head_size, int block_size) {
   return dispatch<kCudaHeadSizes>(head_size, 0, [&](auto head) {
     constexpr int kHead = decltype(head)::value;
-    return kernel_occupancy(reinterpret_cast<const void*>(decode_kernel<C, kHead>), kThreads,
-                            Staging<C, kHead>::kPagesOffset + 2 * kMaxPages * 4,
-                            launch_smem_bytes<C, kHead>(plan, block_size));
+    return with_kernel_variant<kHead>(plan, [&](auto tiles, auto queries) {
+      const auto kernel = decode_kernel<C, kHead, decltype(tiles)::value, decltype(queries)::value>;
+      return kernel_occupancy(reinterpret_cast<const void*>(kernel),
+                              kThreads, Staging<C, kHead>::kPagesOffset + 2 * kMaxPages * 4 +
+                                            sequence_table_bytes(kMaxTableSeqs),
+                              launch_smem_bytes<C, kHead>(plan, block_size));
+    });
   });
 }
 

@@ -25,15 +25,16 @@ struct DeviceFacts {
 
 // ---- which kernel, which staging ------------------------------------------------------------
 
-// The multi-token kernel FP8KV_MULTI_TOKEN_KERNEL names: none (the planner's choice), one of the two,
+// The multi-token kernel FP8KV_MULTI_TOKEN_KERNEL names: none (the planner's choice), one of the three,
 // or one this backend does not have.
-enum class MultiTokenRequest { kAuto, kSm80, kSm90a, kUnknown };
+enum class MultiTokenRequest { kAuto, kSm80, kSm90a, kDecode, kUnknown };
 
 inline MultiTokenRequest multi_token_request() {
   const char* name = gpu::requested_multi_token_kernel();
   if (name == nullptr) return MultiTokenRequest::kAuto;
   if (std::strcmp(name, "sm80") == 0) return MultiTokenRequest::kSm80;
   if (std::strcmp(name, "sm90a") == 0) return MultiTokenRequest::kSm90a;
+  if (std::strcmp(name, "decode") == 0) return MultiTokenRequest::kDecode;
   return MultiTokenRequest::kUnknown;
 }
 
@@ -58,18 +59,29 @@ inline bool short_queries(const PagedAttentionParams& p) {
 // staging keeps more bytes in flight), shallow otherwise (it keeps the tensor cores fed).
 inline bool deep_staging(const PagedAttentionParams& p) { return short_queries(p); }
 
+// Multi-token calls the decode kernel can take: its CTAs stage a table of the sequences (at most
+// kMaxTableSeqs) and count rows in int.
+inline bool decode_takes_queries(const PagedAttentionParams& p) {
+  return p.num_seqs <= decode::kMaxTableSeqs && p.num_query_tokens * p.num_heads <= INT32_MAX;
+}
+
 // The kernel for p. `request` has been checked (paged_attention_unsupported): a kernel it names runs
-// p. Short queries stay on the sm80 kernel where the sm90a one could run: they are bound by memory,
-// and the sm80 kernel shares their few rows among its warps.
+// p. Short queries (verification, decode-heavy batches) are bound by memory: they go to the decode
+// kernel, whose items then take all of a sequence's draft rows (up to 16 at head size <= 128), so each
+// page is streamed once at the decode kernel's bandwidth (docs/cuda_prefill_design.md).
 inline AttentionKernel attention_kernel(const PagedAttentionParams& p, MultiTokenRequest request,
                                         const DeviceFacts& device) {
   if (p.cu_seqlens_q == nullptr) return AttentionKernel::kDecode;
   switch (request) {
     case MultiTokenRequest::kSm80: return AttentionKernel::kMultiTokenSm80;
     case MultiTokenRequest::kSm90a: return AttentionKernel::kMultiTokenSm90a;
+    case MultiTokenRequest::kDecode: return AttentionKernel::kDecode;
     default:
-      return !short_queries(p) && sm90a_kernel_runs(p.head_size, device) ? AttentionKernel::kMultiTokenSm90a
-                                                                          : AttentionKernel::kMultiTokenSm80;
+      // Short queries of more sequences than the decode kernel takes: the sm80 kernel, which shares
+      // their few rows among its warps.
+      if (short_queries(p)) return decode_takes_queries(p) ? AttentionKernel::kDecode : AttentionKernel::kMultiTokenSm80;
+      return sm90a_kernel_runs(p.head_size, device) ? AttentionKernel::kMultiTokenSm90a
+                                                    : AttentionKernel::kMultiTokenSm80;
   }
 }
 
@@ -120,10 +132,30 @@ inline constexpr int kDecodeCtasPerSm = 4;
 // and finer items did not shorten the uneven finish (perf_notes.md, sections 4 and 6).
 inline constexpr int kDecodeItemsPerSm = 2;
 
-// Decode's row chunks: per sequence, its query heads of one KV head in chunks of the kernel's rows.
-inline int64_t decode_row_chunks(const PagedAttentionParams& p) {
+// The decode kernel's column tiles per item: two where the average sequence has more rows (query
+// tokens x the KV head's query heads) than one tile holds and the head size allows, else one.
+inline int decode_column_tiles(const PagedAttentionParams& p) {
   const int group = p.num_heads / p.num_kv_heads;
-  return p.num_query_tokens * ((group + decode::kRows - 1) / decode::kRows);
+  const bool wide = p.cu_seqlens_q != nullptr && p.num_query_tokens * group > decode::kRows * int64_t{p.num_seqs};
+  return wide ? decode::max_column_tiles(p.head_size) : 1;
+}
+
+// The decode kernel's row chunks (work items per split and KV head): per sequence, its rows at one KV
+// head in chunks of the item's columns. Decode: exact. Multi-token queries: the lengths are on the
+// device, so as many as the rows fill, at least one per sequence (what the splits are planned for);
+// decode_row_chunk_bound is what the grid is sized for.
+inline int64_t decode_row_chunks(const PagedAttentionParams& p) {
+  const int64_t columns = int64_t{decode::kRows} * decode_column_tiles(p);
+  const int group = p.num_heads / p.num_kv_heads;
+  if (p.cu_seqlens_q == nullptr) return p.num_query_tokens * ((group + columns - 1) / columns);
+  return std::max<int64_t>(p.num_seqs, (p.num_query_tokens * group + columns - 1) / columns);
+}
+
+// At most ceil(q_len * group / columns) per sequence: below rows / columns + 1 each.
+inline int64_t decode_row_chunk_bound(const PagedAttentionParams& p) {
+  if (p.cu_seqlens_q == nullptr) return decode_row_chunks(p);
+  const int64_t columns = int64_t{decode::kRows} * decode_column_tiles(p);
+  return p.num_query_tokens * (p.num_heads / p.num_kv_heads) / columns + p.num_seqs;
 }
 
 // A decode CTA keeps one tile per warp in flight (K and V rows); the grid streams near the read

@@ -41,7 +41,9 @@ bool current_device(DeviceFacts* device) {
 }
 
 cudaError_t plan_decode(const PagedAttentionParams& p, const DeviceFacts& device, AttentionPlan& plan) {
-  plan.row_chunks = decode_row_chunks(p);
+  plan.column_tiles = decode_column_tiles(p);
+  plan.row_chunks = decode_row_chunk_bound(p);
+  plan.sequence_table_bytes = p.cu_seqlens_q == nullptr ? 0 : decode::sequence_table_bytes(p.num_seqs);
   const std::optional<Splits> splits = decode_splits(p, device);
   if (!splits) return cudaErrorInvalidValue;  // refused by paged_attention_unsupported
   plan.num_splits = splits->count, plan.split_tokens = splits->tokens;
@@ -133,8 +135,12 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
     const MultiTokenRequest request = multi_token_request();
     if (request == MultiTokenRequest::kUnknown) {
       return std::string("environment variable ") + kMultiTokenKernelVariable +
-             " must be unset, empty, \"auto\", \"sm80\" or \"sm90a\", got \"" + requested_multi_token_kernel() +
-             "\"";
+             " must be unset, empty, \"auto\", \"sm80\", \"sm90a\" or \"decode\", got \"" +
+             requested_multi_token_kernel() + "\"";
+    }
+    if (request == MultiTokenRequest::kDecode && !decode_takes_queries(p)) {
+      return std::string(kMultiTokenKernelVariable) + "=decode takes at most " +
+             std::to_string(decode::kMaxTableSeqs) + " sequences, got " + std::to_string(p.num_seqs);
     }
     DeviceFacts device{};
     if (request == MultiTokenRequest::kSm90a && !(current_device(&device) && sm90a_kernel_runs(p.head_size, device))) {
@@ -156,7 +162,7 @@ cudaError_t plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* p
   plan->kernel = attention_kernel(p, multi_token_request(), device);
   const cudaError_t status =
       plan->kernel == AttentionKernel::kDecode ? plan_decode(p, device, *plan) : plan_multi_token(p, device, *plan);
-  plan->workspace_bytes = partials_bytes(p, *plan) + (p.cu_seqlens_q == nullptr ? sizeof(int) : 0);
+  plan->workspace_bytes = partials_bytes(p, *plan) + (plan->kernel == AttentionKernel::kDecode ? sizeof(int) : 0);
   return status;
 }
 

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "../dispatch.h"
 #include "attention_plan.h"
 
 namespace fp8kv::cuda {
@@ -31,14 +32,16 @@ constexpr int kThreads = kMaxSplits;
 
 namespace decode {
 // The decode kernel's work items, (row chunk, split, KV head) with the KV head fastest and the row chunk
-// (sequence) slowest: CTA b first takes item b, then, when there are more items than CTAs, item
-// gridDim.x + atomicAdd(taken, 1) (`taken` is then zeroed before the launch). Sequence-major, so that
+// (sequence) slowest; a row chunk is up to 8 x column-tiles consecutive rows of one sequence (its query
+// tokens x the KV head's query heads, heads fastest). CTA b first takes item b, then, when there are
+// more items than CTAs, item gridDim.x + atomicAdd(taken, 1) (`taken` is then zeroed before the
+// launch). Sequence-major, so that
 // a batch's trailing sequences of length 0 (the padding of a CUDA-graph batch) are the queue's last
 // items: a CTA claims its next item when it starts the current one, so empty items interleaved with
 // real ones would bind real items to CTAs still busy with their first.
 struct WorkQueue {
   int* taken;
-  int items;
+  int items;  // multi-token queries: an upper bound (the CTAs count them from cu_seqlens_q)
   int split_tokens;
   int slice_entries;  // block-table entries of one staged slice (two are staged: current and next item)
 };
@@ -49,11 +52,28 @@ constexpr int kWarps = 4;         // 8 warps only helped batch 1; 4 leaves room 
 constexpr int kMaxStages = 2;
 // Register cap: four CTAs per SM for head sizes up to 128, whose persistent loop fits 128 registers
 // without spills (perf_notes.md, section 6); larger heads spill under that cap, and capping for 5-6
-// CTAs per SM spilled and was slower.
-constexpr int min_ctas_per_sm(int head_size) { return head_size <= 128 ? 4 : 1; }
+// CTAs per SM spilled and was slower. Multi-token queries with one column tile keep four (they spill a
+// few registers outside the tile loop; three CTAs, without spills, left 512 verification items 1.3
+// waves and took 15% longer). Two column tiles hold twice the query fragments and accumulators: under
+// 170 registers (three CTAs) they spill inside the tile loop and took 29% longer than with two CTAs
+// of 222, except at head size 64, which fits 170 (docs/cuda_prefill_design.md).
+constexpr int min_ctas_per_sm(int head_size, int column_tiles, bool queries) {
+  if (head_size > 128) return 1;
+  if (!queries || column_tiles == 1) return 4;
+  return head_size <= 64 ? 3 : 2;
+}
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileTokens = 16;   // keys per tile: the mma's M
-constexpr int kRows = 8;          // query rows per CTA: the mma's N
+constexpr int kRows = 8;          // query rows of one column tile: the mma's N
+// Multi-token queries (verification): an item takes up to this many column tiles of one sequence's
+// rows, so that the sequence's pages are streamed once for all its draft tokens (head sizes up to
+// 128; larger heads take one tile, their accumulators fill the registers).
+constexpr int kMaxColumnTiles = 2;
+constexpr int max_column_tiles(int head_size) { return head_size <= 128 ? kMaxColumnTiles : 1; }
+// Multi-token queries: each CTA stages a table of the sequences' query starts and first row chunks in
+// shared memory (two ints per sequence), so calls of more sequences take the multi-token kernels.
+constexpr int kMaxTableSeqs = kCudaDecodeTableSeqs[0];
+constexpr int sequence_table_bytes(int num_seqs) { return (2 * (num_seqs + 1) * 4 + 15) / 16 * 16; }
 constexpr int kTileGroup = kTileTokens * kWarps;  // split_tokens is a multiple of the warps' tiles
 // Block-table entries a CTA stages (caps split_tokens at (kMaxPages - 2) * block_size).
 constexpr int kMaxPages = 2048;

@@ -80,7 +80,8 @@ def _check_paged_attention_indices_fake(block_tables, seq_lens, cu_seqlens_q, nu
 def supported_values(name: str) -> tuple[int, ...]:
     """One of the kernels' lists of supported values, as the library holds them (csrc/dispatch.h):
     "cuda_head_sizes", "cuda_block_sizes", "cuda_sm90a_head_sizes" (the warpgroup-MMA multi-token
-    kernel's) or "cuda_sm90a_capability" (the compute capability that kernel runs on)."""
+    kernel's), "cuda_sm90a_capability" (the compute capability that kernel runs on) or
+    "cuda_decode_table_seqs" (the most sequences of a multi-token call the decode kernel takes)."""
     return tuple(torch.ops.fp8kv.supported_values(name))
 
 

@@ -127,6 +127,10 @@ def test_prefill_shapes():
     assert [s.label for s in verify] == [f"Llama-3-8B verify B64 x {q} over 4k" for q in (2, 4, 8)]
     assert one("mixed") == [(64, 1, 4097), (2, 2048, 2048)]
     assert shapes["chunked prefill"].label == "Llama-3-8B chunked prefill B8 x 512 over 8k"
+    prefills = [s for s in listed if s.kind == "prefill"]
+    assert [(s.label, s.model.head_size) for s in prefills] == [
+        ("Llama-3-8B prefill B4 x 4k", 128), ("Llama-3.2-1B prefill B4 x 4k", 64), ("Gemma-3-12B prefill B4 x 4k", 256)]
+    assert all(groups(s) == [(4, 4096, 4096)] for s in prefills)
     mixed = shapes["mixed"]
     assert mixed.flops == (cases.attention_flops(64, 1, 4097, 32, 128) + cases.attention_flops(2, 2048, 2048, 32, 128))
 

@@ -149,13 +149,13 @@ def attention_inputs(head_size: int, q_lens: list[int] | None):
 def test_multi_token_kernel_variable_is_checked(monkeypatch):
     inputs = attention_inputs(128, [30])
     monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "sm75")
-    with pytest.raises(RuntimeError, match='FP8KV_MULTI_TOKEN_KERNEL must be unset, empty, "auto", "sm80" or '
-                                           '"sm90a", got "sm75"'):
+    with pytest.raises(RuntimeError, match='FP8KV_MULTI_TOKEN_KERNEL must be unset, empty, "auto", "sm80", '
+                                           '"sm90a" or "decode", got "sm75"'):
         inputs.run()
     # Decode has one kernel: the variable does not concern it.
     decode = attention_inputs(128, None)
     assert_within(decode.run(), decode.reference(), "decode")
-    for value in ("", "auto", "sm80"):
+    for value in ("", "auto", "sm80", "decode"):
         monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", value)
         assert_within(inputs.run(), inputs.reference(), f"FP8KV_MULTI_TOKEN_KERNEL={value!r}")
 
@@ -250,6 +250,75 @@ def test_split_kv_chunked_prefill():
         cache_format="e5m2", query_dtype=torch.float16, per_head_scales=True, sliding_window=5000, seed=3,
         device="cuda")
     assert_within(inputs.run(), inputs.reference(), "chunked prefill")
+
+
+def attention_kernels_run(inputs) -> set[str]:
+    """The attention kernels one call of `inputs` launches (CUDA kernel names, by the profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        inputs.run()
+        torch.cuda.synchronize()
+    names = {event.name for event in profile.events()}
+    return {kernel for kernel in ("decode_kernel", "sm80_kernel", "sm90a_kernel") if any(kernel in n for n in names)}
+
+
+def test_short_queries_run_on_the_decode_kernel():
+    """The planner gives short multi-token queries (rows of the average sequence fit 16) to the decode
+    kernel, longer ones to a multi-token kernel, and so a batch of more sequences than the decode
+    kernel's table takes."""
+    def call(q_lens, seq_len=300):
+        return make_paged_attention_inputs(
+            seq_lens=[seq_len] * len(q_lens), q_lens=q_lens, num_heads=8, num_kv_heads=2, head_size=128,
+            block_size=16, cache_format="e4m3fn", query_dtype=torch.bfloat16, per_head_scales=False, device="cuda")
+    assert attention_kernels_run(call([4] * 8)) == {"decode_kernel"}
+    assert attention_kernels_run(call([1, 2, 7, 0])) == {"decode_kernel"}
+    long = attention_kernels_run(call([64] * 2))
+    assert len(long) == 1 and "decode_kernel" not in long
+    table_seqs = supported_values("cuda_decode_table_seqs")[0]
+    many = attention_kernels_run(call([2] * (table_seqs + 1), seq_len=20))
+    assert len(many) == 1 and "decode_kernel" not in many
+
+
+def test_decode_kernel_request_refuses_more_sequences_than_its_table(monkeypatch):
+    table_seqs = supported_values("cuda_decode_table_seqs")[0]
+    inputs = make_paged_attention_inputs(
+        seq_lens=[3] * (table_seqs + 1), q_lens=[1] * (table_seqs + 1), num_heads=4, num_kv_heads=2, head_size=64,
+        block_size=16, cache_format="e4m3fn", query_dtype=torch.bfloat16, per_head_scales=False, device="cuda")
+    monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "decode")
+    with pytest.raises(RuntimeError, match=rf"FP8KV_MULTI_TOKEN_KERNEL=decode takes at most {table_seqs} "
+                                           rf"sequences, got {table_seqs + 1}"):
+        inputs.run()
+    monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "auto")
+    assert_within(inputs.run(), inputs.reference(), "more sequences than the decode kernel's table")
+
+
+VERIFY_QUEUE_CASES = [
+    # cache_format, head_size, gqa, layout, window, soft_cap: items of two column tiles where the average
+    # sequence's rows exceed one (head sizes <= 128), else one
+    ("e4m3fn", 128, 4, "HND", -1, 0.0),       # Llama-3-8B: 4 draft tokens fill two column tiles
+    ("e4m3fn", 64, 8, "NHD", 40, 0.0),        # two tiles, three CTAs per SM
+    ("e5m2", 96, 1, "interleaved", -1, 5.0),  # one tile of up to 8 tokens
+    ("none", 256, 2, "NHD", -1, 0.0),         # head size 256: one tile
+    ("e4m3fnuz", 80, 6, "HND", 70, 3.0),      # tiles that start mid-token (a group of 6)
+]
+
+
+@pytest.mark.parametrize("case", VERIFY_QUEUE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_verification_on_the_decode_kernel_takes_many_items(case, monkeypatch):
+    """700 sequences of 0-7 draft tokens over 0-399 cached positions past them, and one of 40 tokens,
+    on the decode kernel: more items than resident CTAs (the queue), sequences without rows between
+    others (the table's search), a sequence whose rows take many items, every causal end within a tile."""
+    cache_format, head_size, gqa, layout, window, soft_cap = case
+    monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "decode")
+    generator = torch.Generator().manual_seed(head_size)
+    q_lens = torch.randint(0, 8, (700,), generator=generator).tolist()
+    q_lens[350] = 40
+    seq_lens = [q + int(torch.randint(0, 400, (1,), generator=generator)) for q in q_lens]
+    inputs = make_paged_attention_inputs(
+        seq_lens=seq_lens, q_lens=q_lens, num_heads=2 * gqa, num_kv_heads=2, head_size=head_size, block_size=16,
+        cache_format=cache_format, query_dtype=torch.bfloat16, per_head_scales=True, layout=layout,
+        sliding_window=window, logits_soft_cap=soft_cap, seed=7, device="cuda")
+    assert attention_kernels_run(inputs) == {"decode_kernel"}
+    assert_within(inputs.run(), inputs.reference(), "verification items")
 
 
 MIXED_BATCH_CASES = [

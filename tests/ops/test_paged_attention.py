@@ -58,11 +58,13 @@ VARLEN_CASES = covering_grid(
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda:sm80", marks=pytest.mark.gpu),
-                        pytest.param("cuda:sm90a", marks=pytest.mark.gpu)])
+                        pytest.param("cuda:sm90a", marks=pytest.mark.gpu),
+                        pytest.param("cuda:decode", marks=pytest.mark.gpu)])
 def multi_token_device(request, monkeypatch) -> str:
-    """The device for a multi-token case; on CUDA each of the two kernels in turn (chosen with
+    """The device for a multi-token case; on CUDA each of the three kernels in turn (chosen with
     FP8KV_MULTI_TOKEN_KERNEL): the sm80 one on every GPU, the warpgroup-MMA one on compute
-    capability 9.0."""
+    capability 9.0, and the decode kernel (which the planner gives short queries) taking every
+    sequence's rows in items of 8 or 16."""
     device, _, kernel = request.param.partition(":")
     if kernel:
         if kernel == "sm90a" and torch.cuda.get_device_capability() != SM90A_CAPABILITY:

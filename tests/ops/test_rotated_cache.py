@@ -91,12 +91,18 @@ def check_rotated_write(device, cache_format, head_size, source, per_head, centr
         assert len(wrong) == 0, f"{name}: {len(wrong)} wrong bytes, first at {wrong[0].tolist()}"
 
 
+# Query lengths per sequence: decode; prompts and chunks; draft tokens (on CUDA, the decode kernel's
+# multi-token items).
+QUERY_LENGTHS = {"decode": lambda b: None, "multi_token": lambda b: [1, 3, 2 * b + 5, 17],
+                 "verification": lambda b: [1, 3, 4, 2]}
+
+
 def run_attention_case(device, *, cache_format, head_size, gqa, block_size, centred, soft_cap, window, per_head,
-                       dtype, decode, seed):
+                       dtype, queries, seed):
     if device == "cuda" and head_size not in (64, 80, 96, 128, 192, 256):
         pytest.skip("CUDA head sizes only")
     seq_lens = [1, block_size + 3, 3 * block_size + 37, 2 * block_size + 64]
-    q_lens = None if decode else [1, 3, 2 * block_size + 5, 17]
+    q_lens = QUERY_LENGTHS[queries](block_size)
     inputs, _, _, _ = make_rotated_inputs(
         seq_lens=seq_lens, q_lens=q_lens, num_heads=2 * gqa, num_kv_heads=2, head_size=head_size,
         block_size=block_size, cache_format=cache_format, query_dtype=dtype, per_head_scales=per_head,
@@ -116,12 +122,17 @@ ATTENTION_CASES = [
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"{c['cache_format']}-d{c['head_size']}")
 def test_decode_within_the_reference_bound(device, case):
-    run_attention_case(device, **case, decode=True, seed=ATTENTION_CASES.index(case))
+    run_attention_case(device, **case, queries="decode", seed=ATTENTION_CASES.index(case))
 
 
 @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"{c['cache_format']}-d{c['head_size']}")
 def test_multi_token_within_the_reference_bound(device, case):
-    run_attention_case(device, **case, decode=False, seed=1000 + ATTENTION_CASES.index(case))
+    run_attention_case(device, **case, queries="multi_token", seed=1000 + ATTENTION_CASES.index(case))
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"{c['cache_format']}-d{c['head_size']}")
+def test_verification_within_the_reference_bound(device, case):
+    run_attention_case(device, **case, queries="verification", seed=2000 + ATTENTION_CASES.index(case))
 
 
 @pytest.mark.parametrize("cache_format", FP8_FORMATS)

@@ -6,7 +6,8 @@ import pytest
 
 from fp8kv._ops import supported_values
 
-NAMES = ("cuda_head_sizes", "cuda_block_sizes", "cuda_sm90a_head_sizes", "cuda_sm90a_capability")
+NAMES = ("cuda_head_sizes", "cuda_block_sizes", "cuda_sm90a_head_sizes", "cuda_sm90a_capability",
+         "cuda_decode_table_seqs")
 
 
 @pytest.mark.parametrize("name", NAMES)
