@@ -56,15 +56,18 @@ template <bool kQueriesValue>
 struct RowSet {
   static constexpr bool kQueries = kQueriesValue;
   int first_token;  // the sequence's first query row
-  int group;
   int head0;  // the KV head's first query head (decode: the item's first)
-  int first;
   int count;
+  int group;
+  int first;
 
   __device__ __forceinline__ int token(int n) const { return kQueries ? (first + n) / group : 0; }  // within the sequence
   __device__ __forceinline__ RowInfo operator[](int n) const {
-    if (n >= count) return RowInfo{-1, 0};
-    return kQueries ? RowInfo{first_token + token(n), head0 + (first + n) % group} : RowInfo{first_token, head0 + n};
+    if constexpr (kQueries) {
+      return n < count ? RowInfo{first_token + token(n), head0 + (first + n) % group} : RowInfo{-1, 0};
+    } else {
+      return n < count ? RowInfo{first_token, head0 + n} : RowInfo{-1, 0};
+    }
   }
 };
 
@@ -431,9 +434,8 @@ __device__ __forceinline__ ItemIndex item_index(const PagedAttentionParams& p, i
   at.split = (item / p.num_kv_heads) % num_splits;
   const int chunk = item / (p.num_kv_heads * num_splits);
   if constexpr (!kQueries) {
-    const int chunks_per_seq = (p.num_heads / p.num_kv_heads + kColumns - 1) / kColumns;
-    at.seq = chunk / chunks_per_seq;
-    at.chunk = chunk - at.seq * chunks_per_seq;
+    at.seq = chunk / ((p.num_heads / p.num_kv_heads + kColumns - 1) / kColumns);
+    at.chunk = chunk;  // of the batch: item_work takes the sequence's chunks off (fewer live registers)
   } else {
     // The last sequence whose first chunk is at most `chunk` (those without rows share it with the next).
     int lo = 0, hi = p.num_seqs - 1;
@@ -475,25 +477,26 @@ __device__ __forceinline__ void item_work(const PagedAttentionParams& p, const W
                                           int seq_len, int columns, const SequenceTable& table, CtaWork& w,
                                           RowSet<kQueries>& rows) {
   const int group = p.num_heads / p.num_kv_heads;
-  w.q_len = kQueries ? table.q_start[at.seq + 1] - table.q_start[at.seq] : 1;
-  rows.first_token = kQueries ? table.q_start[at.seq] : at.seq;
-  rows.group = group;
-  rows.first = at.chunk * columns;
-  rows.head0 = at.kv_head * group + (kQueries ? 0 : rows.first);
-  rows.count = min(columns, w.q_len * group - rows.first);
+  // Decode: `at.chunk` counts the batch's chunks (see item_index).
+  const int chunk = kQueries ? at.chunk : at.chunk - at.seq * ((group + columns - 1) / columns);
   // Clamped to the table's capacity so that unchecked (non-debug) input never reads past it.
   w.seq_len = min(seq_len, p.max_blocks_per_seq * p.block_size);
-  const int split_lo = at.split * queue.split_tokens, split_hi = split_lo + queue.split_tokens;
+  w.q_len = kQueries ? table.q_start[at.seq + 1] - table.q_start[at.seq] : 1;
+  rows.first_token = kQueries ? table.q_start[at.seq] : at.seq;
+  rows.head0 = at.kv_head * group + (kQueries ? 0 : chunk * columns);
+  rows.count = min(columns, w.q_len * group - chunk * columns);
+  rows.group = group;
+  rows.first = chunk * columns;
   // Causal: the item's first token sees the fewest positions, its last the most.
   const KeyRange<int> first = visible_keys(w.seq_len, w.q_len, rows.token(0), p.sliding_window);
   const KeyRange<int> last = visible_keys(w.seq_len, w.q_len, rows.token(rows.count - 1), p.sliding_window);
   w.seq = at.seq;
   w.kv_head = at.kv_head;
   w.block_shift = __ffs(p.block_size) - 1;
-  w.lo = max(first.begin, split_lo);
-  w.hi = min(last.end, split_hi);
-  w.interior_lo = max(last.begin, split_lo);
-  w.interior_hi = min(first.end, split_hi);
+  w.lo = max(first.begin, at.split * queue.split_tokens);
+  w.hi = min(last.end, (at.split + 1) * queue.split_tokens);
+  w.interior_lo = max(last.begin, at.split * queue.split_tokens);
+  w.interior_hi = min(first.end, (at.split + 1) * queue.split_tokens);
   w.first_page = split_first_page(p, queue, at.split);
 }
 
