@@ -699,7 +699,9 @@ __global__ void __launch_bounds__(kThreads, min_ctas_per_sm(D, NT, kQueries))
   const SequenceTable table{slices + 2 * queue.slice_entries, slices + 2 * queue.slice_entries + p.num_seqs + 1};
   int items = queue.items;
   if constexpr (kQueries) {
-    items = stage_sequence_table(p, kColumns, table) * ws.num_splits * p.num_kv_heads;
+    // At most the host's bound: sequences whose query ranges overlap (an unchecked, invalid
+    // cu_seqlens_q) could count more, and a count past the bound would never run out.
+    items = min(stage_sequence_table(p, kColumns, table) * ws.num_splits * p.num_kv_heads, queue.items);
     if (static_cast<int>(blockIdx.x) >= items) return;  // the grid is sized for a bound
   }
 

@@ -140,7 +140,8 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
     }
     if (request == MultiTokenRequest::kDecode && !decode_takes_queries(p)) {
       return std::string(kMultiTokenKernelVariable) + "=decode takes at most " +
-             std::to_string(decode::kMaxTableSeqs) + " sequences, got " + std::to_string(p.num_seqs);
+             std::to_string(decode::kMaxTableSeqs) + " sequences and num_query_tokens * num_heads below 2^31, got " +
+             std::to_string(p.num_seqs) + " sequences and " + std::to_string(p.num_query_tokens * p.num_heads);
     }
     DeviceFacts device{};
     if (request == MultiTokenRequest::kSm90a && !(current_device(&device) && sm90a_kernel_runs(p.head_size, device))) {
@@ -159,9 +160,18 @@ cudaError_t plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* p
   if (nothing_to_do(p)) return cudaSuccess;
   DeviceFacts device{};
   if (!current_device(&device)) return cudaErrorInvalidConfiguration;
-  plan->kernel = attention_kernel(p, multi_token_request(), device);
-  const cudaError_t status =
+  const MultiTokenRequest request = multi_token_request();
+  plan->kernel = attention_kernel(p, request, device);
+  cudaError_t status =
       plan->kernel == AttentionKernel::kDecode ? plan_decode(p, device, *plan) : plan_multi_token(p, device, *plan);
+  if (status == cudaErrorInvalidConfiguration && plan->kernel == AttentionKernel::kDecode &&
+      p.cu_seqlens_q != nullptr && request == MultiTokenRequest::kAuto) {
+    // Short queries the decode kernel cannot take on this device (its staging does not fit the shared
+    // memory, as at head size 192 with 16-bit caches on GPUs of 99 KiB per CTA): the sm80 kernel.
+    *plan = AttentionPlan{};
+    plan->kernel = AttentionKernel::kMultiTokenSm80;
+    status = plan_multi_token(p, device, *plan);
+  }
   plan->workspace_bytes = partials_bytes(p, *plan) + (plan->kernel == AttentionKernel::kDecode ? sizeof(int) : 0);
   return status;
 }

@@ -7,6 +7,9 @@ kernels.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -285,10 +288,41 @@ def test_decode_kernel_request_refuses_more_sequences_than_its_table(monkeypatch
         block_size=16, cache_format="e4m3fn", query_dtype=torch.bfloat16, per_head_scales=False, device="cuda")
     monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "decode")
     with pytest.raises(RuntimeError, match=rf"FP8KV_MULTI_TOKEN_KERNEL=decode takes at most {table_seqs} "
-                                           rf"sequences, got {table_seqs + 1}"):
+                                           rf"sequences and num_query_tokens \* num_heads below 2\^31, got "
+                                           rf"{table_seqs + 1} sequences and {4 * (table_seqs + 1)}"):
         inputs.run()
     monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "auto")
     assert_within(inputs.run(), inputs.reference(), "more sequences than the decode kernel's table")
+
+
+OVERLAPPING_QUERIES = """
+import torch, fp8kv
+torch.manual_seed(0)
+seqs, tokens, heads, d, block = 9, 64, 1, 128, 16
+cu = torch.tensor([0] + [tokens, 0] * 4 + [tokens], dtype=torch.int32, device="cuda")  # overlapping ranges
+key_cache = torch.randn(seqs * 4, block, heads, d, device="cuda").to(torch.float8_e4m3fn)
+tables = torch.arange(seqs * 4, dtype=torch.int32, device="cuda").view(seqs, 4)
+seq_lens = torch.full((seqs,), tokens, dtype=torch.int32, device="cuda")
+query = torch.randn(tokens, heads, d, device="cuda", dtype=torch.bfloat16)
+buffer = torch.full((tokens + 2, heads, d), 7.0, device="cuda", dtype=torch.bfloat16)
+one = torch.ones(1, device="cuda")
+fp8kv.ops.paged_attention(buffer[1:-1], query, key_cache, key_cache.clone(), tables, seq_lens, cu, d ** -0.5, one, one)
+torch.cuda.synchronize()
+assert bool((buffer[0] == 7).all() and (buffer[-1] == 7).all()), "wrote outside out"
+print("ended")
+"""
+
+
+@pytest.mark.parametrize("kernel", ["auto", "decode"])
+def test_overlapping_query_ranges_end_without_writing_outside(kernel):
+    """An invalid cu_seqlens_q whose sequences overlap (not read on CUDA unless FP8KV_DEBUG_CHECKS is set):
+    the decode kernel's items, counted from it, must still end, and nothing outside `out` is written.
+    In a child process, so that a hang fails the test instead of stopping the run."""
+    env = {**os.environ, "FP8KV_MULTI_TOKEN_KERNEL": kernel}
+    env.pop("FP8KV_DEBUG_CHECKS", None)
+    child = subprocess.run([sys.executable, "-c", OVERLAPPING_QUERIES], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert child.returncode == 0 and "ended" in child.stdout, child.stderr[-2000:]
 
 
 VERIFY_QUEUE_CASES = [
