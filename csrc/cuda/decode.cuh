@@ -387,7 +387,6 @@ struct SequenceTable {
 // columns) each) and returns the number of row chunks. Called by every thread of the CTA.
 __device__ __forceinline__ int stage_sequence_table(const PagedAttentionParams& p, int columns, SequenceTable table) {
   __shared__ int warp_totals[kWarps];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int group = p.num_heads / p.num_kv_heads;
   const int num_tokens = static_cast<int>(p.num_query_tokens);  // the planner takes int-sized calls only
   int base = 0;  // chunks of the sequences before this block of them
@@ -401,20 +400,8 @@ __device__ __forceinline__ int stage_sequence_table(const PagedAttentionParams& 
       table.q_start[i] = q_start;
       if (i == p.num_seqs - 1) table.q_start[p.num_seqs] = q_end;
     }
-    int inclusive = chunks;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int other = __shfl_up_sync(0xffffffffu, inclusive, d);
-      if (lane >= d) inclusive += other;
-    }
-    if (lane == 31) warp_totals[warp] = inclusive;
-    __syncthreads();
-    int first = base + inclusive - chunks, total = 0;
-#pragma unroll
-    for (int x = 0; x < kWarps; ++x) {
-      if (x < warp) first += warp_totals[x];
-      total += warp_totals[x];
-    }
+    int total;
+    const int first = base + block_exclusive_scan<kThreads>(chunks, warp_totals, total);
     if (i < p.num_seqs) table.chunk_start[i] = first;
     base += total;
     __syncthreads();  // warp_totals is rewritten by the next block of sequences

@@ -133,6 +133,32 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// ---- block-wide scan ---------------------------------------------------------------------------
+
+// Exclusive prefix sum of `value` over the CTA's kCtaThreads threads (in thread order); `total` gets
+// the sum over all of them. Called by every thread; `warp_totals` holds kCtaThreads / 32 ints of
+// shared memory, which the caller must not rewrite (the next call) before a __syncthreads().
+template <int kCtaThreads>
+__device__ __forceinline__ int block_exclusive_scan(int value, int* warp_totals, int& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int inclusive = value;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int other = __shfl_up_sync(0xffffffffu, inclusive, d);
+    if (lane >= d) inclusive += other;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  int exclusive = inclusive - value;
+  total = 0;
+#pragma unroll
+  for (int x = 0; x < kCtaThreads / 32; ++x) {
+    if (x < warp) exclusive += warp_totals[x];
+    total += warp_totals[x];
+  }
+  return exclusive;
+}
+
 // ---- element types ---------------------------------------------------------------------------
 
 template <DType C>

@@ -20,30 +20,16 @@ namespace fp8kv::cuda::multi_token {
 template <int kCtaThreads>
 __device__ __forceinline__ bool find_query_tile(const int32_t* cu_seqlens_q, int num_seqs, int tokens_per_tile,
                                                 int tile, int& seq, int& tile_in_seq) {
-  constexpr int kCtaWarps = kCtaThreads / 32;
-  __shared__ int warp_totals[kCtaWarps];
+  __shared__ int warp_totals[kCtaThreads / 32];
   __shared__ int found[2];
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (threadIdx.x == 0) found[0] = -1;
   int base = 0;  // tiles of the sequences before this chunk of sequences
   for (int start = 0; start < num_seqs; start += kCtaThreads) {
     const int i = start + threadIdx.x;
     const int q_len = i < num_seqs ? __ldg(cu_seqlens_q + i + 1) - __ldg(cu_seqlens_q + i) : 0;
     const int tiles = max(0, (q_len + tokens_per_tile - 1) / tokens_per_tile);
-    int inclusive = tiles;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int other = __shfl_up_sync(0xffffffffu, inclusive, d);
-      if (lane >= d) inclusive += other;
-    }
-    if (lane == 31) warp_totals[warp] = inclusive;
-    __syncthreads();
-    int first = base + inclusive - tiles, total = 0;
-#pragma unroll
-    for (int x = 0; x < kCtaWarps; ++x) {
-      if (x < warp) first += warp_totals[x];
-      total += warp_totals[x];
-    }
+    int total;
+    const int first = base + block_exclusive_scan<kCtaThreads>(tiles, warp_totals, total);
     if (tiles > 0 && tile >= first && tile < first + tiles) found[0] = i, found[1] = tile - first;
     __syncthreads();
     if (found[0] >= 0) {
