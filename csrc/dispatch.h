@@ -67,8 +67,8 @@ inline constexpr DType kAttentionCacheDTypes[] = {DType::kFloat8E4M3FN, DType::k
 inline constexpr int kCudaHeadSizes[] = {64, 80, 96, 128, 192, 256};
 inline constexpr int kCudaBlockSizes[] = {8, 16, 32, 64, 128, 256};
 // The sm_90a multi-token kernel (warpgroup MMAs): its head sizes (multiples of the 64-element swizzle
-// row whose accumulators fit the registers) and the compute capability its code runs on.
-inline constexpr int kCudaSm90aHeadSizes[] = {64, 128};
+// row; above 128 the query is staged in shared memory) and the compute capability its code runs on.
+inline constexpr int kCudaSm90aHeadSizes[] = {64, 128, 256};
 inline constexpr int kCudaSm90aCapability[] = {9, 0};
 // The most sequences of a multi-token call the CUDA decode kernel takes (its CTAs stage a table of
 // them in shared memory); calls of more take the multi-token kernels.

@@ -2,7 +2,8 @@
 // MMAs. A producer warpgroup stages each K/V tile with cp.async (FP8 tiles into a raw ring, then
 // converted to 16-bit operands in the swizzled layout the tensor cores read; 16-bit tiles straight
 // into that layout) and hands it over through named barriers; two consumer warpgroups of 64 query
-// rows each compute S = Q K^T and O += P V as warpgroup MMAs with Q and P in registers, and the
+// rows each compute S = Q K^T and O += P V as warpgroup MMAs with P (and Q up to head size 128, in
+// shared memory above) in registers, and the
 // softmax step of multi_token.cuh between them, pipelined one tile deep and taking turns (ping-pong) so
 // that softmax overlaps MMAs, while the producer's conversion overlaps both. Design:
 // docs/cuda_prefill_design.md.
@@ -27,11 +28,17 @@ constexpr int kPairThreads = 2 * kWarpgroupThreads;  // a full or turn barrier's
 
 static_assert(kConsumers == 2, "the turn protocol of consume is written for two consumers");
 
-// Shared-memory geometry. An operand (the K or the V of one tile) is D / 64 regions of kKeys swizzled
-// rows, dims 64h .. 64h + 63 in region h; a stage holds K, then V.
+// Tiles and shared-memory geometry. An operand (the K or the V of one tile) is D / 64 regions of kKeys
+// swizzled rows, dims 64h .. 64h + 63 in region h; a stage holds K, then V. Above head size 128, O's
+// D / 2 registers leave no room for Q's D / 4: each consumer's Q is staged in shared memory once (the
+// same swizzled regions, of its 64 rows), and tiles have 32 keys so that it fits there beside the
+// stages.
 template <DType C, int D>
 struct Stages {
   static constexpr bool kFp8 = CacheTraits<C>::kIsFp8;
+  static constexpr int kKeys = D <= 128 ? 64 : 32;  // S is 64 x kKeys per consumer
+  static_assert(kSplitAlign % kKeys == 0, "splits must start on a tile");
+  static constexpr bool kQueryInSmem = D > 128;
   static constexpr int kRegionBytes = kKeys * wgmma::kSwizzleRowBytes;
   static constexpr int kOperandBytes = D / wgmma::kSwizzleRowElements * kRegionBytes;
   static constexpr int kStageBytes = 2 * kOperandBytes;
@@ -43,14 +50,17 @@ struct Stages {
   static_assert(kStages <= kMaxStages, "a full and an empty barrier per stage");
   static constexpr int kRawStages = kFp8 ? 3 : 0;
   static constexpr int kRawBytes = 2 * kKeys * D;  // row-major FP8 K rows, then V rows
+  static constexpr int kQueryOffset = kStages * kStageBytes + kRawStages * kRawBytes;
+  static constexpr int kQueryBytes = kQueryInSmem ? kRows * D * 2 : 0;  // consumer c's at c * kQueryBytes / 2
   // + the alignment of the swizzled regions (the dynamic block follows the static one).
-  static constexpr int kSmemBytes = kStages * kStageBytes + kRawStages * kRawBytes + wgmma::kSwizzleAtomBytes;
+  static constexpr int kSmemBytes = kQueryOffset + kQueryBytes + wgmma::kSwizzleAtomBytes;
 };
 
-// Byte offset of 16-byte chunk `chunk` (dims 8 chunk ..) of key row `key` in an operand.
-template <int D>
-__device__ __forceinline__ uint32_t swizzled_operand_offset(int key, int chunk) {
-  return chunk / 8 * (kKeys * wgmma::kSwizzleRowBytes) + wgmma::swizzled_offset(key, chunk % 8);
+// Byte offset of 16-byte chunk `chunk` (dims 8 chunk ..) of row `row` in a swizzled operand of kRowsOf
+// rows (D / 64 regions of them).
+template <int kRowsOf>
+__device__ __forceinline__ uint32_t swizzled_operand_offset(int row, int chunk) {
+  return chunk / 8 * (kRowsOf * wgmma::kSwizzleRowBytes) + wgmma::swizzled_offset(row, chunk % 8);
 }
 
 // A producer thread's share of one raw FP8 tile: 8-value runs at a fixed chunk of the rows it strides
@@ -59,6 +69,7 @@ __device__ __forceinline__ uint32_t swizzled_operand_offset(int key, int chunk) 
 // stages and would wait out each load's latency in turn).
 template <DType C, int D>
 struct RawTileShare {
+  static constexpr int kKeys = Stages<C, D>::kKeys;
   static constexpr int kChunks = D / 8;
   static constexpr int kRowsPerPass = kWarpgroupThreads / kChunks;
   static constexpr int kPasses = 2 * kKeys / kRowsPerPass;
@@ -78,7 +89,7 @@ struct RawTileShare {
       convert_fp8x4<C>(bytes[i].x, half.x, half.y);
       convert_fp8x4<C>(bytes[i].y, half.z, half.w);
       *reinterpret_cast<uint4*>(stage + row(i) / kKeys * Stages<C, D>::kOperandBytes +
-                                swizzled_operand_offset<D>(row(i) % kKeys, chunk())) = half;
+                                swizzled_operand_offset<kKeys>(row(i) % kKeys, chunk())) = half;
     }
   }
 };
@@ -89,13 +100,14 @@ template <DType C, int D>
 __device__ __forceinline__ void produce(const PagedAttentionParams& p, const CtaWork& w, int first_tile,
                                        int num_tiles, uint8_t* smem) {
   using S = Stages<C, D>;
+  constexpr int kKeys = S::kKeys;
   const int32_t* table_row = p.block_tables + w.seq * p.block_table_stride;
   uint8_t* raw = smem + S::kStages * S::kStageBytes;
   // Warpgroup 0: threads 0 .. kWarpgroupThreads - 1 stage the tiles.
   auto stage = [&](int tile, uint8_t* dst) {
     stage_tile<C, D, kKeys, kWarpgroupThreads>(
         p, w, table_row, first_tile + tile * kKeys, dst,
-        [](int key, int chunk) { return static_cast<int>(swizzled_operand_offset<D>(key, chunk)); },
+        [](int key, int chunk) { return static_cast<int>(swizzled_operand_offset<kKeys>(key, chunk)); },
         S::kOperandBytes);
   };
   // A stage is refilled once the consumers are done with the tile kStages before.
@@ -156,6 +168,54 @@ struct WarpgroupRange {
   int lo, hi, interior_lo, interior_hi;
 };
 
+// Q, the A operand of a consumer's S = Q K^T (its 64 rows): the lane's fragments in registers, or,
+// where Stages::kQueryInSmem, staged once into the consumer's swizzled region of shared memory.
+template <DType C, int D, bool kInSmem = Stages<C, D>::kQueryInSmem>
+struct QueryOperand {
+  uint32_t frag[D / 16][4];
+
+  __device__ __forceinline__ void load(const PagedAttentionParams& p, LaneQueryRows& rows, int kv_head, int t,
+                                       bool query_bf16, uint8_t* /*region*/) {
+    load_query<C, D>(p, rows, kv_head, t, query_bf16, frag);
+  }
+  // Issues k-step `step` (dims 16 step ..) of S = Q K^T against the K operand at key_desc.
+  template <bool kBf16>
+  __device__ __forceinline__ void issue_scores(float (&s)[8][4], int step, uint64_t key_desc) const {
+    wgmma::mma<kBf16, 0>(s, frag[step], key_desc, step > 0);
+  }
+};
+
+template <DType C, int D>
+struct QueryOperand<C, D, true> {
+  static constexpr int kRegionBytes = 64 * wgmma::kSwizzleRowBytes;  // 64 rows of 64 dims
+  uint32_t region;  // shared address
+
+  // Every lane of the warpgroup stores its fragments (rows 16 warp + g, + 8 of the region) and makes
+  // them visible to the tensor cores; the first full barrier the consumer passes orders them before
+  // any of its MMAs.
+  __device__ __forceinline__ void load(const PagedAttentionParams& p, LaneQueryRows& rows, int kv_head, int t,
+                                       bool query_bf16, uint8_t* dst) {
+    uint32_t frag[D / 16][4];
+    load_query<C, D>(p, rows, kv_head, t, query_bf16, frag);
+    const int row = threadIdx.x % kWarpgroupThreads / 32 * 16 + threadIdx.x % 32 / 4;
+#pragma unroll
+    for (int step = 0; step < D / 16; ++step) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // i = 2 half + r: row + 8 r, dims 16 step + 8 half + 2t
+        *reinterpret_cast<uint32_t*>(dst + swizzled_operand_offset<64>(row + 8 * (i % 2), 2 * step + i / 2) + 4 * t) =
+            frag[step][i];
+      }
+    }
+    wgmma::fence_async_proxy();
+    region = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  }
+  template <bool kBf16>
+  __device__ __forceinline__ void issue_scores(float (&s)[4][4], int step, uint64_t key_desc) const {
+    const uint32_t at = region + step / 4 * kRegionBytes + step % 4 * 32;  // as K's, see consume
+    wgmma::mma_smem_a<kBf16>(s, wgmma::descriptor(at, 16, wgmma::kSwizzleAtomBytes), key_desc, step > 0);
+  }
+};
+
 // Consumer `consumer`: it attends to every tile the producer publishes, into st (the tiles its rows do
 // not see are masked). Pipelined one tile deep: tile k's S = Q K^T and tile k - 1's O += P V are
 // issued together, and tile k's softmax runs while the latter is in flight; a stage is released (when
@@ -164,9 +224,10 @@ struct WarpgroupRange {
 // other's MMAs rather than both at once.
 template <DType C, int D>
 __device__ __forceinline__ void consume(int consumer, const LaneQueryRows& rows, const WarpgroupRange& range,
-                                       const uint32_t (&q_frag)[D / 16][4], float multiplier, float soft_cap,
+                                       const QueryOperand<C, D>& q, float multiplier, float soft_cap,
                                        int first_tile, int num_tiles, uint32_t smem, WarpState<D>& st) {
   using S = Stages<C, D>;
+  constexpr int kKeys = S::kKeys;
   constexpr bool kBf16 = CacheTraits<C>::kBf16Math;
 
   auto acquire = [&](int k) { wgmma::barrier_sync(full_barrier(consumer, k % S::kStages), kPairThreads); };
@@ -188,18 +249,24 @@ __device__ __forceinline__ void consume(int consumer, const LaneQueryRows& rows,
       // K is K-major (dims contiguous): a step's 16 dims are 32 bytes into the swizzled rows of
       // region step / 4; 8-key groups are one swizzle period apart.
       const uint32_t at = key_smem + step / 4 * S::kRegionBytes + step % 4 * 32;
-      wgmma::mma<kBf16, 0>(s, q_frag[step], wgmma::descriptor(at, 16, wgmma::kSwizzleAtomBytes), step > 0);
+      q.template issue_scores<kBf16>(s, step, wgmma::descriptor(at, 16, wgmma::kSwizzleAtomBytes));
     }
     wgmma::commit();
   };
+  constexpr int kOutputMmas = D > 128 ? D / 128 : 1;
+  constexpr int kOutputTiles = D / 8 / kOutputMmas;  // O's n-tiles per MMA
   auto issue_values = [&](int k, const uint32_t (&p)[kKeys / 16][4]) {
     const uint32_t value_smem = smem + k % S::kStages * S::kStageBytes + S::kOperandBytes;
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
       // V is N-major (dims contiguous): keys 16kk .. are two 8-row groups one swizzle period apart,
-      // dims 64h .. in region h.
-      const uint32_t at = value_smem + kk * 16 * wgmma::kSwizzleRowBytes;
-      wgmma::mma<kBf16, 1>(st.acc, p[kk], wgmma::descriptor(at, S::kRegionBytes, wgmma::kSwizzleAtomBytes), true);
+      // dims 64h .. in region h. At most 128 dims per MMA: dims 128 o .. in O's n-tiles 16 o ...
+#pragma unroll
+      for (int o = 0; o < kOutputMmas; ++o) {
+        const uint32_t at = value_smem + 2 * o * S::kRegionBytes + kk * 16 * wgmma::kSwizzleRowBytes;
+        wgmma::mma<kBf16, 1>(reinterpret_cast<float(&)[kOutputTiles][4]>(st.acc[kOutputTiles * o]), p[kk],
+                             wgmma::descriptor(at, S::kRegionBytes, wgmma::kSwizzleAtomBytes), true);
+      }
     }
     wgmma::commit();
   };
@@ -287,7 +354,8 @@ template <DType C, int D>
 __device__ __forceinline__ void consume_and_write(const PagedAttentionParams& p, const SplitWorkspace& ws,
                                                   const CtaWork& w, LaneQueryRows& rows, int consumer,
                                                   const int4* warp_ranges, int first_tile, int num_tiles,
-                                                  uint32_t smem) {
+                                                  uint8_t* smem) {
+  using S = Stages<C, D>;
   WarpgroupRange range{INT_MAX, INT_MIN, INT_MIN, INT_MAX};
 #pragma unroll
   for (int x = 0; x < kWarpgroupThreads / 32; ++x) {
@@ -297,24 +365,26 @@ __device__ __forceinline__ void consume_and_write(const PagedAttentionParams& p,
   }
   const int t = threadIdx.x % 4;
   const bool query_bf16 = p.query_dtype == DType::kBFloat16;  // also the output's
-  uint32_t q_frag[D / 16][4];
-  load_query<C, D>(p, rows, w.kv_head, t, query_bf16, q_frag);
+  QueryOperand<C, D> q;
+  q.load(p, rows, w.kv_head, t, query_bf16, smem + S::kQueryOffset + consumer * (S::kQueryBytes / kConsumers));
   WarpState<D> st;
-  consume<C, D>(consumer, rows, range, q_frag, logit_multiplier<C>(p, w.kv_head), p.logits_soft_cap, first_tile, num_tiles,
-                smem, st);
+  consume<C, D>(consumer, rows, range, q, logit_multiplier<C>(p, w.kv_head), p.logits_soft_cap, first_tile, num_tiles,
+                static_cast<uint32_t>(__cvta_generic_to_shared(smem)), st);
   sum_row_shares(st);
   write_rows<C, D>(p, ws, blockIdx.y, w, rows, t, query_bf16, st);
 }
 
 // Registers per thread after the split (the launch gives 65536 / kThreads = 168 each): the consumers
-// hold O (D / 2), S (32), P (16) and Q (D / 4) fragments; the producer's unrolled page copies spill
-// below about 100.
-constexpr int kProducerRegisters = 104;
-constexpr int kConsumerRegisters = 200;
-// setmaxnreg.inc waits until the registers are free: the split must fit what the launch allocated.
-static_assert(kWarpgroupThreads * (kProducerRegisters + kConsumers * kConsumerRegisters) <=
-                  kThreads * (65536 / kThreads / 8 * 8),
-              "register split");
+// hold O (D / 2), S (kKeys / 2), two P (kKeys / 4 each) and, up to head size 128, Q (D / 4) fragments;
+// the producer's unrolled page copies spill below about 100.
+template <int D>
+struct RegisterSplit {
+  static constexpr int kProducer = D <= 128 ? 104 : 88;
+  static constexpr int kConsumer = D <= 128 ? 200 : 208;
+  // setmaxnreg.inc waits until the registers are free: the split must fit what the launch allocated.
+  static_assert(kWarpgroupThreads * (kProducer + kConsumers * kConsumer) <= kThreads * (65536 / kThreads / 8 * 8),
+                "register split");
+};
 
 // Grid as the sm80 kernel's (query tiles of kRows, splits, KV heads x head chunks), one CTA per SM.
 template <DType C, int D>
@@ -338,15 +408,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(16) uint8_t sm90a_smem[];
   const uint32_t smem_start = static_cast<uint32_t>(__cvta_generic_to_shared(sm90a_smem));
   const uint32_t padding = (wgmma::kSwizzleAtomBytes - smem_start % wgmma::kSwizzleAtomBytes) % wgmma::kSwizzleAtomBytes;
+  constexpr int kKeys = Stages<C, D>::kKeys;
   const int first_tile = w.lo / kKeys * kKeys;
   const int num_tiles = w.hi > w.lo ? (w.hi - first_tile + kKeys - 1) / kKeys : 0;
   if (warpgroup == 0) {
-    wgmma::release_registers<kProducerRegisters>();
+    wgmma::release_registers<RegisterSplit<D>::kProducer>();
     produce<C, D>(p, w, first_tile, num_tiles, sm90a_smem + padding);
   } else {
-    wgmma::claim_registers<kConsumerRegisters>();
+    wgmma::claim_registers<RegisterSplit<D>::kConsumer>();
     consume_and_write<C, D>(p, ws, w, rows, warpgroup - 1, warp_ranges + (warpgroup - 1) * (kWarpgroupThreads / 32),
-                            first_tile, num_tiles, smem_start + padding);
+                            first_tile, num_tiles, sm90a_smem + padding);
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // code for another architecture: the planner never launches it there

@@ -130,8 +130,6 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kConsumers = 2;  // two consumer warpgroups: one's softmax overlaps the other's MMAs
 constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
 constexpr int kRows = 64 * kConsumers;  // the warpgroup MMA's M per consumer
-constexpr int kKeys = 64;               // keys per tile: S is 64 x 64 per consumer (32 registers)
-static_assert(kSplitAlign % kKeys == 0, "splits must start on a tile");
 }  // namespace sm90a
 }  // namespace multi_token
 

@@ -1,5 +1,6 @@
 // Hopper (sm_90a) building blocks of the warp-specialized multi-token kernel (multi_token_sm90a.cuh):
-// warpgroup MMA with the A operand in registers and B in shared memory, its descriptors and fences,
+// warpgroup MMA with the A operand in registers or in shared memory and B in shared memory, its
+// descriptors and fences,
 // named barriers between the producer and consumer warpgroups, and the async-proxy fence.
 // Only compiled into code for sm_90a (`__CUDA_ARCH_FEAT_SM90_ALL`); callers guard the same way.
 #pragma once
@@ -179,6 +180,31 @@ __device__ __forceinline__ void mma(float (&d)[16][4], const uint32_t (&a)[4], u
           "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(static_cast<int>(accumulate)),
           "n"(kTransB));
+  }
+}
+
+// D (64 x 32, fp32, in the accumulator layout of mma) = A (64 x 16 at a_desc) * B (16 x 32 at b_desc),
+// both in shared memory and stored K-major (+ D when `accumulate`).
+template <bool kBf16>
+__device__ __forceinline__ void mma_smem_a(float (&d)[4][4], uint64_t a_desc, uint64_t b_desc, bool accumulate) {
+  if constexpr (kBf16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3])
+        : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+          "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+          "+f"(d[3][2]), "+f"(d[3][3])
+        : "l"(a_desc), "l"(b_desc), "r"(static_cast<int>(accumulate)));
   }
 }
 

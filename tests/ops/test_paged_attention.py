@@ -115,7 +115,7 @@ def test_varlen_causal(multi_token_device, case):
 
 
 LONG_PROMPT_CASES = covering_grid(
-    {"cache_format": CACHE_FORMATS, "head_size": [64, 128, 96], "gqa": [1, 4]},
+    {"cache_format": CACHE_FORMATS, "head_size": [64, 128, 96, 256], "gqa": [1, 4]},
     {"block_size": [16, 32, 128], "dtype": list(QUERY_DTYPES), "per_head": [False, True], "layout": CACHE_LAYOUTS,
      "window": [False, True], "soft_cap": [False, True], "strided": [False, True]})
 
@@ -123,7 +123,7 @@ LONG_PROMPT_CASES = covering_grid(
 @pytest.mark.parametrize("case", LONG_PROMPT_CASES, ids=case_id)
 def test_long_prompts(multi_token_device, case):
     """Prompts long enough for many key tiles per CTA and several query tiles per sequence (on an
-    H100 at head sizes 64 and 128, the warp-specialized kernel with both consumer warpgroups): a
+    H100 at head sizes 64, 128 and 256, the warp-specialized kernel with both consumer warpgroups): a
     whole 300-token prompt, a 190-token chunk continuing 450 cached tokens, a decode row, and a lone
     64-token chunk over 1500 cached tokens, whose few CTAs split the context."""
     index = LONG_PROMPT_CASES.index(case)
