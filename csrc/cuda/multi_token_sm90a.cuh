@@ -65,31 +65,36 @@ __device__ __forceinline__ uint32_t swizzled_operand_offset(int row, int chunk) 
 
 // A producer thread's share of one raw FP8 tile: 8-value runs at a fixed chunk of the rows it strides
 // over (K rows, then V rows), loaded into registers, then converted into the 16-bit operands of a
-// stage. Every load is issued before the first store (the compiler cannot tell the raw ring from the
-// stages and would wait out each load's latency in turn).
+// stage. Every load of a part is issued before its first store (the compiler cannot tell the raw ring
+// from the stages and would wait out each load's latency in turn). Above head size 128 the producer has
+// fewer registers (RegisterSplit): the tile goes in two parts, K's rows, then V's.
 template <DType C, int D>
 struct RawTileShare {
   static constexpr int kKeys = Stages<C, D>::kKeys;
+  static constexpr int kParts = D <= 128 ? 1 : 2;
   static constexpr int kChunks = D / 8;
   static constexpr int kRowsPerPass = kWarpgroupThreads / kChunks;
-  static constexpr int kPasses = 2 * kKeys / kRowsPerPass;
+  static constexpr int kPasses = 2 * kKeys / kRowsPerPass / kParts;  // of one part
   uint2 bytes[kPasses];
 
   __device__ __forceinline__ int chunk() const { return threadIdx.x % kChunks; }
-  __device__ __forceinline__ int row(int pass) const { return threadIdx.x / kChunks + pass * kRowsPerPass; }
-
-  __device__ __forceinline__ void load(const uint8_t* raw) {
-#pragma unroll
-    for (int i = 0; i < kPasses; ++i) bytes[i] = *reinterpret_cast<const uint2*>(raw + row(i) * D + chunk() * 8);
+  __device__ __forceinline__ int row(int part, int pass) const {
+    return threadIdx.x / kChunks + (part * kPasses + pass) * kRowsPerPass;
   }
-  __device__ __forceinline__ void convert_into(uint8_t* stage) const {
+
+  __device__ __forceinline__ void load(const uint8_t* raw, int part) {
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) bytes[i] = *reinterpret_cast<const uint2*>(raw + row(part, i) * D + chunk() * 8);
+  }
+  __device__ __forceinline__ void convert_into(uint8_t* stage, int part) const {
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
+      const int row = this->row(part, i);
       uint4 half;
       convert_fp8x4<C>(bytes[i].x, half.x, half.y);
       convert_fp8x4<C>(bytes[i].y, half.z, half.w);
-      *reinterpret_cast<uint4*>(stage + row(i) / kKeys * Stages<C, D>::kOperandBytes +
-                                swizzled_operand_offset<kKeys>(row(i) % kKeys, chunk())) = half;
+      *reinterpret_cast<uint4*>(stage + row / kKeys * Stages<C, D>::kOperandBytes +
+                                swizzled_operand_offset<kKeys>(row % kKeys, chunk())) = half;
     }
   }
 };
@@ -135,9 +140,13 @@ __device__ __forceinline__ void produce(const PagedAttentionParams& p, const Cta
       if (ahead < num_tiles) stage(ahead, raw + ahead % S::kRawStages * S::kRawBytes);
       copy_async_commit();
       wait_empty(k);
-      RawTileShare<C, D> share;
-      share.load(raw + k % S::kRawStages * S::kRawBytes);
-      share.convert_into(smem + k % S::kStages * S::kStageBytes);
+      using Share = RawTileShare<C, D>;
+#pragma unroll
+      for (int part = 0; part < Share::kParts; ++part) {
+        Share share;
+        share.load(raw + k % S::kRawStages * S::kRawBytes, part);
+        share.convert_into(smem + k % S::kStages * S::kStageBytes, part);
+      }
       publish(k);
     }
   } else {
