@@ -2,11 +2,10 @@
 // MMAs. A producer warpgroup stages each K/V tile with cp.async (FP8 tiles into a raw ring, then
 // converted to 16-bit operands in the swizzled layout the tensor cores read; 16-bit tiles straight
 // into that layout) and hands it over through named barriers; two consumer warpgroups of 64 query
-// rows each compute S = Q K^T and O += P V as warpgroup MMAs with P (and Q up to head size 128, in
-// shared memory above) in registers, and the
-// softmax step of multi_token.cuh between them, pipelined one tile deep and taking turns (ping-pong) so
-// that softmax overlaps MMAs, while the producer's conversion overlaps both. Design:
-// docs/cuda_prefill_design.md.
+// rows each compute S = Q K^T and O += P V as warpgroup MMAs with P in registers (Q too up to head
+// size 128; above, in shared memory), and the softmax step of multi_token.cuh between them, pipelined
+// one tile deep and taking turns (ping-pong) so that softmax overlaps MMAs, while the producer's
+// conversion overlaps both. Design: docs/cuda_prefill_design.md.
 #pragma once
 
 #include "multi_token.cuh"
@@ -262,7 +261,7 @@ __device__ __forceinline__ void consume(int consumer, const LaneQueryRows& rows,
     }
     wgmma::commit();
   };
-  constexpr int kOutputMmas = D > 128 ? D / 128 : 1;
+  constexpr int kOutputMmas = (D + 127) / 128;  // an MMA's N is at most 128
   constexpr int kOutputTiles = D / 8 / kOutputMmas;  // O's n-tiles per MMA
   auto issue_values = [&](int k, const uint32_t (&p)[kKeys / 16][4]) {
     const uint32_t value_smem = smem + k % S::kStages * S::kStageBytes + S::kOperandBytes;

@@ -1,7 +1,7 @@
 // Hopper (sm_90a) building blocks of the warp-specialized multi-token kernel (multi_token_sm90a.cuh):
 // warpgroup MMA with the A operand in registers or in shared memory and B in shared memory, its
-// descriptors and fences,
-// named barriers between the producer and consumer warpgroups, and the async-proxy fence.
+// descriptors and fences, named barriers between the producer and consumer warpgroups, and the
+// async-proxy fence.
 // Only compiled into code for sm_90a (`__CUDA_ARCH_FEAT_SM90_ALL`); callers guard the same way.
 #pragma once
 
