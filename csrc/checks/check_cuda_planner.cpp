@@ -165,6 +165,18 @@ void check_multi_token_routes() {
          "a named kernel runs");
   expect(attention_kernel(routes[2].call, MultiTokenRequest::kDecode, kH100) == AttentionKernel::kDecode,
          "the decode kernel when named");
+  // fp8_math (paged_attention_unsupported has checked that its kernel runs): the FP8-math kernel wherever
+  // a multi-token kernel runs, the decode kernel's calls unchanged (16-bit math, bound by memory).
+  for (const Route& r : routes) {
+    PagedAttentionParams call = r.call;
+    call.fp8_math = true;
+    const AttentionKernel kernel = attention_kernel(call, MultiTokenRequest::kAuto, kH100);
+    expect(kernel == (r.kernel == AttentionKernel::kDecode ? AttentionKernel::kDecode
+                                                           : AttentionKernel::kMultiTokenSm90aFp8Math),
+           std::string(r.shape) + ", fp8_math: kernel " + std::to_string(static_cast<int>(kernel)));
+    expect(attention_kernel(call, MultiTokenRequest::kSm90a, kH100) == AttentionKernel::kMultiTokenSm90aFp8Math,
+           std::string(r.shape) + ", fp8_math: the sm90a kernel when named");
+  }
 }
 
 }  // namespace
