@@ -307,7 +307,7 @@ def fp8_math_sdpa_target(row: dict) -> float | None:
     """The FP8 math's target against the fastest SDPA form: prefill and chunked prefill only."""
     if row["kind"] not in ("prefill", "chunked prefill"):
         return None
-    return TARGET_FP8_MATH_SDPA if row["model"] == cases.LLAMA3_8B.name else TARGET_FP8_MATH_SDPA_OTHER_HEADS
+    return TARGET_FP8_MATH_SDPA if row.get("model") == cases.LLAMA3_8B.name else TARGET_FP8_MATH_SDPA_OTHER_HEADS
 
 
 def evaluate_targets(row: dict) -> dict[str, bool | None]:

@@ -582,7 +582,7 @@ def test_main_with_the_rotated_recipe_refused(cpu_as_cuda, monkeypatch, tmp_path
     for name in rotated_columns:
         assert "not supported on this device" in row["columns"][name]["error"]
         assert f"{row['label']} / {name}: RuntimeError" in printed
-    plain = [n for n in row["columns"] if n.startswith("fp8kv") and n not in rotated_columns]
+    plain = [n for n in row["columns"] if n.startswith("fp8kv") and n not in rotated_columns and "fp8-math" not in n]
     assert plain and all("median_us" in row["columns"][n] for n in plain)
     assert row["summary"]["rotated_best"] is None and row["summary"]["fp8kv_graph_us"] > 0
     assert {v for k, v in row["targets"].items() if k.startswith("rot+c")} == {None}
@@ -604,6 +604,10 @@ def test_prefill_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path):
         assert row["targets"]["err<=1e-2"] is True
         assert_rotated_judged(row, prefill.ROTATED_COLUMNS, "rot+c<=1.05xplain", "rot+c_err<=1e-2")
     assert ["fp8kv e4m3 rotated+centred (faster storage)", "@rotated_best"] in payload["plot"]["series"]
+    for row in payload["rows"]:  # FP8 math: refused on the CPU, so its columns say why and are not judged
+        for name in (*prefill.FP8_MATH_COLUMNS, *prefill.ROTATED_FP8_MATH_COLUMNS):
+            assert "`fp8_math` needs the CUDA kernels" in row["columns"][name]["error"], row["columns"][name]
+        assert row["summary"]["fp8_math_best"] is None and row["targets"]["fp8_err<=0.03"] is None
     verify = payload["rows"][1]
     assert verify["summary"]["decode_best"] in prefill.DECODE_COLUMNS
     assert verify["targets"]["<=1.1xdecode"] in (True, False)
@@ -972,12 +976,38 @@ def synthetic_prefill_row(kind, fp8_us, flash_us, fi_us=None, decode_us=None, be
 def test_prefill_targets(kind, fp8_us, flash_us, best_sdpa_us, fi_us, decode_us, expected):
     row = synthetic_prefill_row(kind, fp8_us, flash_us, fi_us, decode_us, best_sdpa_us=best_sdpa_us)
     names = [">=1.0xSDPAflash", ">=1.0xSDPA", "FI>=1.3x"] + (["<=1.1xdecode"] if kind == "verify" else [])
-    assert row["targets"] == dict(zip(names, expected)) | {"err<=1e-2": True, "rot+c<=1.05xplain": None,
-                                                            "rot+c_err<=1e-2": None}
+    sixteen_bit = {name: ok for name, ok in row["targets"].items() if not name.startswith("fp8")}
+    assert sixteen_bit == dict(zip(names, expected)) | {"err<=1e-2": True, "rot+c<=1.05xplain": None,
+                                                        "rot+c_err<=1e-2": None}
+    assert {ok for name, ok in row["targets"].items() if name.startswith("fp8")} == {None}  # no FP8-math column
     s = row["summary"]
     assert s["sdpa_flash_best"] == "SDPA flash" and s["sdpa_best"] == "SDPA cudnn expanded"
     assert s["fp8kv_tflops"] == pytest.approx(1e12 / (fp8_us * 1e-6) / 1e12)
     assert "cudnn expanded" in prefill.table([row])
+
+
+@pytest.mark.parametrize("model,kind,fp8_us,target,ok", [
+    ("Llama-3-8B", "prefill", 66.0, 1.5, True), ("Llama-3-8B", "chunked prefill", 67.0, 1.5, False),
+    ("Gemma-3-12B", "prefill", 76.0, 1.3, True), ("Gemma-3-12B", "prefill", 77.0, 1.3, False),
+    ("Llama-3-8B", "verify", 100.0, None, None)])
+def test_prefill_fp8_math_targets(model, kind, fp8_us, target, ok):
+    """FP8 math against the fastest SDPA form (100 us here): 1.5x for Llama-3-8B's prefill and chunked
+    prefill, 1.3x for the other models' prefill, none for the other kinds; FlashInfer's FA3 FP8
+    prefill (fp8_us exactly); its error limit; the rotated recipe in FP8 math against the plain one."""
+    row = synthetic_prefill_row(kind, 200.0, 100.0, best_sdpa_us=100.0)
+    graph = lambda us, err: {"median_us": us + 5, "graph": {"median_us": us, "rel_err": err}, "rel_err": err}
+    row["model"] = model
+    row["columns"] |= {prefill.FP8_MATH_COLUMNS[1]: graph(fp8_us, 0.02), prefill.ROTATED_FP8_MATH_COLUMNS[0]: graph(fp8_us * 1.06, 0.02),
+                       "FlashInfer FA3 NHD": {"median_us": fp8_us}}
+    row["summary"] = prefill.summarize_row(row)
+    row["targets"] = prefill.evaluate_targets(row)
+    s, targets = row["summary"], row["targets"]
+    assert s["fp8_math_best"] == prefill.FP8_MATH_COLUMNS[1] and s["flashinfer_fa3_best"] == "FlashInfer FA3 NHD"
+    assert s["sdpa_vs_fp8_math"] == pytest.approx(100.0 / fp8_us) and s["sixteen_bit_vs_fp8_math"] == pytest.approx(200.0 / fp8_us)
+    assert s["flashinfer_best"] is None  # FA3 is the FP8 math's peer only
+    assert targets.get(f"fp8>={target}xSDPA") is ok and (target is not None or not any("xSDPA" in k and k.startswith("fp8") for k in targets))
+    assert targets["fp8>=1.0xFI3"] is True and targets["fp8_err<=0.03"] is True and targets["fp8_rot+c<=1.05x"] is False
+    assert "SDPA/fp8" in prefill.table([row])
 
 
 @pytest.mark.parametrize("ratio,ok", [(1.04, True), (1.06, False)])

@@ -154,13 +154,16 @@ def test_needles_in_a_long_context(context):
 @pytest.mark.gpu
 @needs_fp8_math
 def test_fp8_math_opcheck():
+    """opcheck's schema test compares tensors with torch.allclose, which has no float8 kernel; the
+    unquantized-cache cases of test_opcheck.py check the schema this call shares."""
     inputs = make_paged_attention_inputs(
         seq_lens=[200, 90], q_lens=[200, 30], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
         cache_format="e4m3fn", query_dtype=torch.bfloat16, per_head_scales=True, device="cuda")
     out = torch.empty_like(inputs.query)
     torch.library.opcheck(torch.ops.fp8kv.paged_attention.default, (
         out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables, inputs.seq_lens,
-        inputs.cu_seqlens_q, inputs.softmax_scale, inputs.k_scale, inputs.v_scale, -1, 0.0, False, None, True))
+        inputs.cu_seqlens_q, inputs.softmax_scale, inputs.k_scale, inputs.v_scale, -1, 0.0, False, None, True),
+        test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 @pytest.mark.gpu
