@@ -17,8 +17,9 @@ import torch
 
 import fp8kv
 from fp8kv._ops import supported_values
-from reference import (CACHE_LAYOUTS, AttentionReference, add_output_rounding, assert_within, cache_values,
-                       covering_grid, fp8_math_error_bound, make_paged_attention_inputs, paged_attention_reference)
+from reference import (CACHE_LAYOUTS, FORMAT_BY_NAME, AttentionReference, add_output_rounding, assert_within, bits,
+                       cache_values, covering_grid, fp8_math_error_bound, make_paged_attention_inputs,
+                       paged_attention_reference)
 from rotated_reference import make_rotated_inputs
 
 FP8_MATH_HEAD_SIZES = list(supported_values("cuda_sm90a_fp8_math_head_sizes"))
@@ -27,6 +28,7 @@ FP8_MATH_FORMATS = ["e4m3fn", "e5m2"]
 QUERY_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 NUM_KV_HEADS = 2
 SOFT_CAP = 2.0
+E4M3 = FORMAT_BY_NAME["e4m3fn"]
 
 
 def fp8_math_unavailable() -> str | None:
@@ -124,6 +126,12 @@ def test_needles_in_a_long_context(context):
     table = inputs.block_tables[0].long().cpu()
     blocks, offsets = table[positions // block], positions % block
     keys = cache_values(inputs.key_cache, inputs.k_scale).cpu()[blocks, offsets]                    # [n, Hkv, D]
+    # V with a mean per channel (real V has one): O then grows with the row instead of averaging out,
+    # which is what an accumulator that drops small addends would get wrong.
+    values = cache_values(inputs.value_cache, inputs.v_scale).cpu()[blocks, offsets]
+    values += 2.0 * torch.randn(1, num_kv_heads, head_size, generator=generator, dtype=torch.float64)
+    inputs.v_scale = (values.abs().amax(dim=(0, 2)) / E4M3.max_finite).float().cuda()
+    bits(inputs.value_cache)[blocks.cuda(), offsets.cuda()] = E4M3.encode(values / inputs.v_scale.double().cpu().view(1, -1, 1)).cuda()
     needle_positions = torch.randperm(context - q_len, generator=generator)[:needles]
     for h in range(num_kv_heads):
         logits = inputs.softmax_scale * keys[:, h] @ mean_query[h]
@@ -142,7 +150,7 @@ def test_needles_in_a_long_context(context):
     for fp8_math in (False, True):
         inputs.fp8_math = fp8_math
         out = inputs.run()
-        reference = paged_attention_reference(*args, None if fp8_math else torch.float16)
+        reference = paged_attention_reference(*args, product_dtype=None if fp8_math else torch.float16)
         bound = reference.bound + (fp8_math_error_bound(*args) if fp8_math else 0.0)
         assert_within(out, add_output_rounding(AttentionReference(reference.out, bound), out.dtype),
                       f"{context} keys, fp8_math={fp8_math}")
