@@ -607,7 +607,7 @@ def test_prefill_main_on_cpu(cpu_as_cuda, monkeypatch, tmp_path):
     for row in payload["rows"]:  # FP8 math: refused on the CPU, so its columns say why and are not judged
         for name in (*prefill.FP8_MATH_COLUMNS, *prefill.ROTATED_FP8_MATH_COLUMNS):
             assert "`fp8_math` needs the CUDA kernels" in row["columns"][name]["error"], row["columns"][name]
-        assert row["summary"]["fp8_math_best"] is None and row["targets"]["fp8_err<=0.03"] is None
+        assert row["summary"]["fp8_math_best"] is None and row["targets"]["fp8_err<=0.05"] is None
     verify = payload["rows"][1]
     assert verify["summary"]["decode_best"] in prefill.DECODE_COLUMNS
     assert verify["targets"]["<=1.1xdecode"] in (True, False)
@@ -1006,7 +1006,7 @@ def test_prefill_fp8_math_targets(model, kind, fp8_us, target, ok):
     assert s["sdpa_vs_fp8_math"] == pytest.approx(100.0 / fp8_us) and s["sixteen_bit_vs_fp8_math"] == pytest.approx(200.0 / fp8_us)
     assert s["flashinfer_best"] is None  # FA3 is the FP8 math's peer only
     assert targets.get(f"fp8>={target}xSDPA") is ok and (target is not None or not any("xSDPA" in k and k.startswith("fp8") for k in targets))
-    assert targets["fp8>=1.0xFI3"] is True and targets["fp8_err<=0.03"] is True and targets["fp8_rot+c<=1.05x"] is False
+    assert targets["fp8>=1.0xFI3"] is True and targets["fp8_err<=0.05"] is True and targets["fp8_rot+c<=1.05x"] is False
     assert "SDPA/fp8" in prefill.table([row])
 
 
