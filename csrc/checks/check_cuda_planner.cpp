@@ -1,9 +1,10 @@
 // Host check of the CUDA decode planner (csrc/cuda/heuristics.h), run by scripts/check_cuda_sources.sh;
 // not part of the library. Also which kernel takes a multi-token call, and the decode kernel's items
-// for short ones. The split counts of the benchmark's decode shapes on an H100 (132 SMs),
-// worked out by hand below, and over a sweep of shapes: the count is never below that of the
-// nearest-items rule; where the bytes-in-flight rule raises it the items stay one wave; and a plan
-// with less than kDecodeBytesInFlight in flight could not take one more split.
+// for short ones. The split counts of the benchmark's decode shapes on an H100 (132 SMs; an H200
+// gives the planner the same facts, and its measured best bytes in flight is the same 3 MiB:
+// docs/cuda_decode_design.md), worked out by hand below, and over a sweep of shapes: the count is
+// never below that of the nearest-items rule; where the bytes-in-flight rule raises it the items stay
+// one wave; and a plan with less than kDecodeBytesInFlight in flight could not take one more split.
 #include <string>
 
 #include "../cuda/heuristics.h"

@@ -177,7 +177,8 @@ inline int64_t decode_row_chunk_bound(const PagedAttentionParams& p) {
 // bandwidth only with about kDecodeBytesInFlight in flight in all (the bandwidth times a loaded
 // round trip of about a microsecond). SmolLM2-135M at B64 (3 KV heads of head size 64) kept 1.5 MiB
 // in flight with FP8 rows and read at 67% of the bandwidth, 3 MiB with bf16 rows and read at 86%
-// (perf_notes.md, section 10).
+// (perf_notes.md, section 10). On an H200 (1.4x the bandwidth, the same SMs) 3 MiB was again the
+// fastest of 1.5 to 12 MiB on every decode shape, or within 0.5% of it (docs/benchmarks_h200.md).
 inline constexpr int64_t kDecodeBytesInFlight = int64_t{3} << 20;
 
 inline int64_t decode_cta_bytes_in_flight(const PagedAttentionParams& p) {
