@@ -5,6 +5,7 @@ exact K/V rescaling, and argument validation of `python -m fp8kv evaluate`."""
 import argparse
 import importlib.util
 import math
+import re
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from checkpoints import truncate  # noqa: E402
 from fp8kv import evaluate as ev  # noqa: E402
 from fp8kv.calibration import calibrate  # noqa: E402
 from fp8kv.commands import evaluate as command  # noqa: E402
@@ -414,6 +416,26 @@ def test_a_checkpoint_missing_weights_is_refused(checkpoint):
                                          r"\(model.norm.weight\)$"):
         run_cli(["--model", str(model_dir), "--data", str(text), "--seq-len", "32", "--windows", "1", "--device", "cpu",
                  "--no-progress"])
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_option_and_the_file(checkpoint, tmp_path):
+    from fp8kv.calibration import export_checkpoint
+
+    model_dir, text = checkpoint
+    kv_cache = calibrate(tiny_llama(), [windows()[0][None]], progress=False).scales()
+    args = ["--data", str(text), "--seq-len", "16", "--windows", "1", "--device", "cpu", "--no-progress",
+            "--kv-cache-dtype", "e4m3-checkpoint"]
+    damaged = export_checkpoint(model_dir, tmp_path / "damaged", kv_cache)
+    truncate(damaged / "model.safetensors")
+    with pytest.raises(CommandError, match=f"^argument --scales: {re.escape(str(damaged))}/model.safetensors: "
+                       "truncated: the file has \\d+ bytes, its header describes \\d+$"):
+        run_cli(["--model", str(model_dir), "--scales", str(damaged), *args])
+    # The model's own weights, damaged where --scales holds the scales: found as they load.
+    scales = export_checkpoint(model_dir, tmp_path / "scales", kv_cache)
+    truncate(model_dir / "model.safetensors")
+    with pytest.raises(CommandError, match=f"^argument --model: {re.escape(str(model_dir))}/model.safetensors: "
+                       "truncated: the file has \\d+ bytes, its header describes \\d+$"):
+        run_cli(["--model", str(model_dir), "--scales", str(scales), *args])
 
 
 def test_png_without_matplotlib_names_the_package(checkpoint, tmp_path, monkeypatch):

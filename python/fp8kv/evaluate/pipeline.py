@@ -76,7 +76,7 @@ def _checkpoint_configs(model_dir: pathlib.Path, scales, num_layers: int,
     source = pathlib.Path(scales) if scales is not None else model_dir
     found = read_checkpoint_scales(source)
     if found.problems:
-        raise CheckpointError(found.problems)
+        raise ValueError(f"{'--scales' if scales is not None else '--model'}: {CheckpointError(found.problems)}")
     if not (found.has_scales or found.rotated):
         if scales is not None:
             raise ValueError(f"--scales: {source} has no KV cache scales")
@@ -156,8 +156,8 @@ def evaluate(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows:
     with the model of `model_dir` in `dtype` on `device` (default: CUDA when available). `scales`: a
     checkpoint directory whose scales `-checkpoint` caches use (default: the model's own, if any).
 
-    Raises ValueError (or CheckpointError) naming the command-line option for bad arguments,
-    before the model's weights are loaded.
+    Raises ValueError naming the command-line option for bad arguments and files, before the
+    model's weights are loaded.
     """
     plan = prepare(model_dir, text, caches, seq_len=seq_len, windows=windows, scales=scales, device=device,
                    dtype=dtype)
@@ -171,7 +171,7 @@ def load_model(plan: _Plan, progress: bool = True):
     """The plan's model in its dtype on its device, in eval mode with transformers' SDPA attention."""
     try:
         model = load_causal_lm(plan.model_dir, plan.dtype, progress=progress)
-    except WeightsMismatchError as e:
+    except (WeightsMismatchError, CheckpointError) as e:
         raise ValueError(f"--model: {e}") from None
     except (OSError, ImportError) as e:
         raise ValueError(f"--model: transformers cannot load {plan.model_dir}: {e}") from None
