@@ -477,10 +477,15 @@ def test_evaluated_caches_are_named_canonically():
     assert cache_name("e4m3-centred-checkpoint") == "float8_e4m3fn-centred-checkpoint"
     assert label("e5m2") == "float8_e5m2, plain, scale 1"
     assert label("e4m3fnuz-rotated-head") == "float8_e4m3fnuz, rotated, calibrated per head"
+    # The plain recipe spelled out: the names the error lists for it.
+    assert cache_name("e4m3-plain") == cache_name("e4m3-none") == "float8_e4m3fn"
+    assert cache_name("e5m2-plain-head") == cache_name("e5m2-none-head") == "float8_e5m2-head"
     for bad in ("auto-tensor", "e4m3-calibrated", "e4m3-", "-tensor", "e4m3-tensor-rotated", "e4m3-rotated-centred",
-                "e4m3-rotated-tensor-x"):
-        with pytest.raises(ValueError, match=re.escape("expected FORMAT[-RECIPE][-SOURCE]")):
+                "e4m3-rotated-tensor-x", "e4m3-plain-rotated", "e4m3-rotated-none"):
+        with pytest.raises(ValueError, match=re.escape("expected FORMAT[-RECIPE][-SOURCE]")) as error:
             cache_name(bad)
+        assert str(error.value).endswith("; RECIPE one of plain, none (or left out: plain), rotated, centred; SOURCE "
+                                         "one of checkpoint, tensor, head (or left out: scale 1)")
 
 
 # ----------------------------------------------------------------------------- as a program

@@ -28,11 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text file(s), concatenated in order, e.g. /usr/share/common-licenses/GPL-3")
     parser.add_argument("--kv-cache-dtype", nargs="+", metavar="CACHE", type=_cache,
                         help="FP8 caches to score besides the unquantized one, each FORMAT[-RECIPE][-SOURCE]: FORMAT "
-                        f"one of {format_names(arguments.FP8)}; RECIPE how K/V are stored: none for plain, rotated, "
-                        "centred (rotated + centred, docs/rotated_cache.md); SOURCE where the scales (and a centred "
-                        "cache's K offsets) come from: none for 1.0 (offsets calibrated on the windows), checkpoint "
-                        "(--scales, or the model's own), tensor or head (calibrated on the windows, per tensor or per "
-                        f"KV head). Default: {' '.join(CACHES)} (the checkpoint ones where it has their scales)")
+                        f"one of {format_names(arguments.FP8)}; RECIPE how K/V are stored: plain (or none, or left "
+                        "out), rotated, centred (rotated + centred, docs/rotated_cache.md); SOURCE where the scales (and "
+                        "a centred cache's K offsets) come from: left out for 1.0 (offsets calibrated on the windows), "
+                        "checkpoint (--scales, or the model's own), tensor or head (calibrated on the windows, per "
+                        f"tensor or per KV head). Default: {' '.join(CACHES)} (the checkpoint ones where it has their "
+                        "scales)")
     parser.add_argument("--scales", metavar="CKPT", help="checkpoint whose KV cache scales the -checkpoint caches use "
                         "(default: the model's own)")
     parser.add_argument("--seq-len", type=arguments.positive_int, default=2048,
