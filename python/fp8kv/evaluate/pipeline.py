@@ -150,11 +150,13 @@ def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: 
 
 def evaluate(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None,
              device=None, dtype: torch.dtype | str = torch.bfloat16, progress: bool = True,
-             setup: dict | None = None) -> EvaluationResult:
+             setup: dict | None = None, on_row=None) -> EvaluationResult:
     """Scores the unquantized paged cache and each of `caches` (FORMAT[-RECIPE][-SOURCE] names, see
     caches; default: those of CACHES that apply) on `windows` windows of `seq_len` tokens of `text`,
     with the model of `model_dir` in `dtype` on `device` (default: CUDA when available). `scales`: a
     checkpoint directory whose scales `-checkpoint` caches use (default: the model's own, if any).
+    on_row: as evaluate_model's (each cache's result as it is final); interrupted, evaluate_model's
+    EvaluationInterrupted carries the scores over the windows completed.
 
     Raises ValueError naming the command-line option for bad arguments and files, before the
     model's weights are loaded.
@@ -163,7 +165,7 @@ def evaluate(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows:
                    dtype=dtype)
     model = load_model(plan, progress=progress)
     kv_caches = kv_cache_configs(model, plan.windows, plan.caches, checkpoint=plan.checkpoint, progress=progress)
-    return evaluate_model(model, plan.windows, kv_caches, progress=progress,
+    return evaluate_model(model, plan.windows, kv_caches, progress=progress, on_row=on_row,
                           setup={"model": str(plan.model_dir), **(setup or {}), **environment(plan)})
 
 
