@@ -2,10 +2,11 @@
 
 A cache is named FORMAT[-RECIPE][-SOURCE]: FORMAT any FP8 format name (fp8kv.formats.format_names:
 e4m3, fp8_e4m3, float8_e4m3fn, e5m2, ...); RECIPE how K/V are stored (RECIPES, docs/rotated_cache.md):
-none for plain, `rotated`, `centred` for rotated + centred; SOURCE where its scales (and a centred
-cache's K offsets) come from (SOURCES): none for scale 1 (a centred cache's offsets then calibrated
-on the evaluation windows), `checkpoint` for a checkpoint's (the plain recipe's k_scale / v_scale, the
-rotated recipe's fp8kv_kv_cache.json), `tensor` / `head` for calibrated on the evaluation windows.
+left out (or PLAIN_NAMES) for plain, `rotated`, `centred` for rotated + centred; SOURCE where its
+scales (and a centred cache's K offsets) come from (SOURCES): left out for scale 1 (a centred cache's
+offsets then calibrated on the evaluation windows), `checkpoint` for a checkpoint's (the plain recipe's
+k_scale / v_scale, the rotated recipe's fp8kv_kv_cache.json), `tensor` / `head` for calibrated on the
+evaluation windows.
 `cache_name` gives the one canonical spelling (`float8_e4m3fn-centred-tensor`).
 """
 
@@ -20,6 +21,7 @@ from ..rotation import Rotation
 
 UNQUANTIZED = "auto"
 RECIPES = {"": "plain", "rotated": "rotated", "centred": "rotated + centred"}
+PLAIN_NAMES = ("plain", "none")  # the plain recipe spelled out (canonically it is left out)
 SOURCES = {"": "scale 1", "checkpoint": "checkpoint scales", "tensor": "calibrated per tensor",
            "head": "calibrated per head"}
 # Evaluated by default (the checkpoint's recipes only where it has them).
@@ -30,7 +32,11 @@ CACHES = ("e4m3", "e4m3-checkpoint", "e4m3-tensor", "e4m3-head", "e4m3-rotated",
 def parse_cache(name: str) -> tuple[KVCacheDtype, str, str]:
     """The format, recipe and scale source of the cache `name`; ValueError saying what a name is."""
     text, *rest = name.split("-")
-    recipe = rest.pop(0) if rest and rest[0] and rest[0] in RECIPES else ""
+    recipe = ""
+    if rest and rest[0] in PLAIN_NAMES:
+        rest.pop(0)
+    elif rest and rest[0] and rest[0] in RECIPES:
+        recipe = rest.pop(0)
     source = rest.pop(0) if rest and rest[0] and rest[0] in SOURCES else ""
     try:
         fmt = KVCacheDtype.parse(text)
@@ -38,8 +44,9 @@ def parse_cache(name: str) -> tuple[KVCacheDtype, str, str]:
         fmt = None
     if fmt is None or not fmt.is_fp8 or rest:
         raise ValueError(f"unknown cache {name!r}: expected FORMAT[-RECIPE][-SOURCE], FORMAT one of "
-                         f"{format_names(lambda f: f.is_fp8)}; RECIPE one of {', '.join(filter(None, RECIPES))}; "
-                         f"SOURCE one of {', '.join(filter(None, SOURCES))}")
+                         f"{format_names(lambda f: f.is_fp8)}; RECIPE one of {', '.join(PLAIN_NAMES)} (or left out: "
+                         f"plain), {', '.join(filter(None, RECIPES))}; SOURCE one of "
+                         f"{', '.join(filter(None, SOURCES))} (or left out: scale 1)")
     return fmt, recipe, source
 
 

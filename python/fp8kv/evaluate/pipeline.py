@@ -76,7 +76,7 @@ def _checkpoint_configs(model_dir: pathlib.Path, scales, num_layers: int,
     source = pathlib.Path(scales) if scales is not None else model_dir
     found = read_checkpoint_scales(source)
     if found.problems:
-        raise CheckpointError(found.problems)
+        raise ValueError(f"{'--scales' if scales is not None else '--model'}: {CheckpointError(found.problems)}")
     if not (found.has_scales or found.rotated):
         if scales is not None:
             raise ValueError(f"--scales: {source} has no KV cache scales")
@@ -150,20 +150,22 @@ def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: 
 
 def evaluate(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None,
              device=None, dtype: torch.dtype | str = torch.bfloat16, progress: bool = True,
-             setup: dict | None = None) -> EvaluationResult:
+             setup: dict | None = None, on_row=None) -> EvaluationResult:
     """Scores the unquantized paged cache and each of `caches` (FORMAT[-RECIPE][-SOURCE] names, see
     caches; default: those of CACHES that apply) on `windows` windows of `seq_len` tokens of `text`,
     with the model of `model_dir` in `dtype` on `device` (default: CUDA when available). `scales`: a
     checkpoint directory whose scales `-checkpoint` caches use (default: the model's own, if any).
+    on_row: as evaluate_model's (each cache's result as it is final); interrupted, evaluate_model's
+    EvaluationInterrupted carries the scores over the windows completed.
 
-    Raises ValueError (or CheckpointError) naming the command-line option for bad arguments,
-    before the model's weights are loaded.
+    Raises ValueError naming the command-line option for bad arguments and files, before the
+    model's weights are loaded.
     """
     plan = prepare(model_dir, text, caches, seq_len=seq_len, windows=windows, scales=scales, device=device,
                    dtype=dtype)
     model = load_model(plan, progress=progress)
     kv_caches = kv_cache_configs(model, plan.windows, plan.caches, checkpoint=plan.checkpoint, progress=progress)
-    return evaluate_model(model, plan.windows, kv_caches, progress=progress,
+    return evaluate_model(model, plan.windows, kv_caches, progress=progress, on_row=on_row,
                           setup={"model": str(plan.model_dir), **(setup or {}), **environment(plan)})
 
 
@@ -171,7 +173,7 @@ def load_model(plan: _Plan, progress: bool = True):
     """The plan's model in its dtype on its device, in eval mode with transformers' SDPA attention."""
     try:
         model = load_causal_lm(plan.model_dir, plan.dtype, progress=progress)
-    except WeightsMismatchError as e:
+    except (WeightsMismatchError, CheckpointError) as e:
         raise ValueError(f"--model: {e}") from None
     except (OSError, ImportError) as e:
         raise ValueError(f"--model: transformers cannot load {plan.model_dir}: {e}") from None
