@@ -631,3 +631,60 @@ def test_options_are_checked_before_the_packaged_model_is_converted(checkpoint, 
     for extra in (["--kv-cache-dtype", "fp9"], ["--device", "meta"]):  # refused by argparse
         with pytest.raises(SystemExit):
             run_cli(["--model", models.SMOLLM2_NAME, "--data", str(text), *extra])
+
+
+# ----------------------------------------------------------------------------- FP8 math rows
+
+SM90A = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("name, canonical, text", [
+    ("e4m3-centred-checkpoint-fp8math", "float8_e4m3fn-centred-checkpoint-fp8math",
+     "float8_e4m3fn, rotated + centred, checkpoint scales, FP8 math"),
+    ("fp8_e5m2-none-fp8math", "float8_e5m2-fp8math", "float8_e5m2, plain, scale 1, FP8 math")])
+def test_fp8_math_caches_are_named_and_labelled(name, canonical, text):
+    assert ev.cache_name(name) == canonical and ev.label(canonical) == text
+
+
+@pytest.mark.parametrize("name, message", [
+    ("e4m3fnuz-fp8math", r"FP8 math \(fp8math\) reads float8_e4m3fn and float8_e5m2 caches, not float8_e4m3fnuz"),
+    ("e4m3-fp8math-head", r"expected FORMAT\[-RECIPE\]\[-SOURCE\]\[-fp8math\]")])
+def test_bad_fp8_math_caches_are_refused(name, message):
+    with pytest.raises(ValueError, match=message):
+        ev.cache_name(name)
+
+
+def test_fp8_math_rows_follow_each_cache_that_has_them():
+    from fp8kv.evaluate.pipeline import with_fp8_math
+
+    assert with_fp8_math(("float8_e4m3fn-head", "float8_e4m3fnuz", "float8_e5m2-centred", "float8_e5m2-fp8math")) == (
+        "float8_e4m3fn-head", "float8_e4m3fn-head-fp8math", "float8_e4m3fnuz", "float8_e5m2-centred",
+        "float8_e5m2-centred-fp8math", "float8_e5m2-fp8math")
+
+
+@pytest.mark.parametrize("argv", [["--kv-cache-dtype", "e4m3-fp8math"], ["--kv-cache-dtype", "e4m3", "--fp8-math"]])
+def test_fp8_math_off_a_compute_capability_9_gpu_is_refused_before_the_model_loads(checkpoint, no_model_loading, argv):
+    model_dir, text = checkpoint
+    with pytest.raises(CommandError, match="--kv-cache-dtype float8_e4m3fn-fp8math: FP8 math runs on compute "
+                                           "capability 9.0 GPUs, not on cpu"):
+        run_cli(["--model", str(model_dir), "--data", str(text), "--seq-len", "32", "--windows", "1", "--device",
+                 "cpu", "--no-progress", *argv])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90A, reason="FP8 math runs on compute capability 9.0 GPUs")
+def test_fp8_math_rows_next_to_the_16_bit_ones(checkpoint, capsys):
+    """The 16-bit and FP8-math rows of each cache: the same cache, so near each other, not identical."""
+    import json
+
+    model_dir, text = checkpoint
+    assert run_cli(["--model", str(model_dir), "--data", str(text), "--seq-len", "128", "--windows", "2",
+                    "--kv-cache-dtype", "e4m3-head", "e5m2-rotated", "--fp8-math", "--device", "cuda",
+                    "--no-progress", "--json", str(model_dir.parent / "fp8.json")]) == 0
+    caches = {c["name"]: c for c in json.loads((model_dir.parent / "fp8.json").read_text())["caches"]}
+    assert list(caches) == ["auto", "float8_e4m3fn-head", "float8_e4m3fn-head-fp8math", "float8_e5m2-rotated",
+                            "float8_e5m2-rotated-fp8math"]
+    for name in ("float8_e4m3fn-head", "float8_e5m2-rotated"):
+        sixteen, fp8 = caches[name], caches[f"{name}-fp8math"]
+        assert fp8["layer_errors"] != sixteen["layer_errors"] and fp8["mean_kl"] < 10 * sixteen["mean_kl"] + 1e-3
+    assert "FP8 math |" in capsys.readouterr().out

@@ -34,15 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", required=True, nargs="+", metavar="FILE", type=arguments.input_file,
                         help="text file(s), concatenated in order, e.g. /usr/share/common-licenses/GPL-3")
     parser.add_argument("--kv-cache-dtype", nargs="+", metavar="CACHE", type=_cache,
-                        help="FP8 caches to score besides the unquantized one, each FORMAT[-RECIPE][-SOURCE]: FORMAT "
+                        help="FP8 caches to score besides the unquantized one, each FORMAT[-RECIPE][-SOURCE][-fp8math]: FORMAT "
                         f"one of {format_names(arguments.FP8)}; RECIPE how K/V are stored: plain (or none, or left "
                         "out), rotated, centred (rotated + centred, docs/rotated_cache.md); SOURCE where the scales (and "
                         "a centred cache's K offsets) come from: left out for 1.0 (offsets calibrated on the windows), "
                         "checkpoint (--scales, or the model's own), tensor or head (calibrated on the windows, per "
-                        f"tensor or per KV head). Default: {' '.join(CACHES)} (the checkpoint ones where it has their "
-                        "scales)")
+                        f"tensor or per KV head); fp8math: attended to in FP8 math (see --fp8-math). Default: "
+                        f"{' '.join(CACHES)} (the checkpoint ones where it has their scales)")
     parser.add_argument("--scales", metavar="CKPT", help="checkpoint whose KV cache scales the -checkpoint caches use "
                         "(default: the model's own)")
+    parser.add_argument("--fp8-math", action="store_true",
+                        help="also score each e4m3fn / e5m2 cache in FP8 tensor-core math (its row CACHE-fp8math, "
+                        "next to the 16-bit math's; compute capability 9.0 GPUs; a cache named with -fp8math "
+                        "alone is scored in FP8 math only)")
     parser.add_argument("--seq-len", type=arguments.positive_int, default=2048,
                         help="tokens per window, BOS included (default 2048)")
     parser.add_argument("--windows", type=arguments.positive_int, default=16,
@@ -92,7 +96,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         with _terminate_as_interrupt():
             result = evaluate(model_dir, text, args.kv_cache_dtype, seq_len=args.seq_len, windows=args.windows,
                               scales=args.scales, device=args.device, dtype=args.dtype, progress=not args.no_progress,
-                              setup={"model": model, "data": [os.fspath(p) for p in args.data]}, on_row=table.rows)
+                              setup={"model": model, "data": [os.fspath(p) for p in args.data]}, on_row=table.rows,
+                              fp8_math_rows=args.fp8_math)
     except EvaluationInterrupted as e:
         _keep_interrupted(args, e)
     except KeyboardInterrupt:  # while the model loads or the scales are calibrated

@@ -9,7 +9,7 @@ import math
 import torch
 
 from ..formats import KVCacheConfig
-from .caches import label
+from .caches import fp8_math, label
 from .results import CacheResult, EvaluationResult
 
 _LOGIT_ROWS = 256  # rows of logits turned into float64 distributions at a time (memory bound)
@@ -187,7 +187,7 @@ def evaluate_model(model, windows: torch.Tensor, kv_caches: dict[str, KVCacheCon
                 enable(model)
                 for position, (name, kv_cache) in enumerate(kv_caches.items()):
                     outputs.compare(layer_errors[name])
-                    cache = PagedCache(kv_cache, max_tokens=ids.shape[1])
+                    cache = PagedCache(kv_cache, max_tokens=ids.shape[1], fp8_math=fp8_math(name))
                     logits = model(input_ids=ids, **cache_argument(model, cache)).logits[0, :-1]
                     logit_scores[name].add(logits, reference, targets)
                     bar.update()
