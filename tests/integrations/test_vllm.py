@@ -1,4 +1,4 @@
-"""fp8kv's vLLM attention backend inside vLLM, on CPU (fp8kv's CPU kernels under VLLM_TARGET_DEVICE=cpu).
+"""fp8kv's vLLM attention backend inside vLLM, on vLLM's CPU platform (fp8kv's CPU kernels).
 
 Runs where the vLLM version pyproject.toml's [vllm] extra pins is installed (scripts/test_vllm.sh
 makes that environment; elsewhere the module skips). What vLLM does is done by vLLM's own code:
@@ -20,7 +20,9 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import math
-import os
+import pickle
+import subprocess
+import sys
 import tomllib
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,8 +31,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM is imported: the CPU platform
 vllm = pytest.importorskip("vllm")
+from vllm.platforms import current_platform  # noqa: E402
+
+if not current_platform.is_cpu():
+    pytest.skip("needs vLLM's CPU platform: fp8kv's test platform (tests/vllm_test_platform, which "
+                "scripts/test_vllm.sh installs), or VLLM_TARGET_DEVICE=cpu", allow_module_level=True)
 
 from reference import (FORMAT_BY_DTYPE, AttentionReference, assert_within, calibrated_scales,  # noqa: E402
                        covering_grid, paged_attention_reference, quantization_error_bound, quantization_spacing,
@@ -42,7 +48,6 @@ from vllm.model_executor.layers.attention import Attention  # noqa: E402
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (  # noqa: E402
     CompressedTensorsKVCacheMethod)
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod  # noqa: E402
-from vllm.platforms import current_platform  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
 from vllm.plugins import load_general_plugins  # noqa: E402
 from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
@@ -305,6 +310,18 @@ def test_the_entry_point_registers_the_backend_with_vllm():
     assert Fp8kvAttentionBackend.get_name() == plugin.BACKEND_NAME
 
 
+def test_a_process_that_has_not_loaded_the_plugins_unpickles_the_selected_backend():
+    """vLLM pickles its config, the selected backend's registry member with it, into the processes
+    it spawns (engine core, workers), which unpickle it before they load plugins: a fresh
+    interpreter must find FP8KV and fp8kv's class behind it."""
+    config = AttentionConfig(backend=AttentionConfig.validate_backend_before("FP8KV"))
+    code = ("import pickle, sys; config = pickle.load(sys.stdin.buffer); "
+            "print(config.backend.name, config.backend.get_class().__qualname__)")
+    child = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(config), capture_output=True, timeout=300)
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
+    assert child.stdout.decode().split() == ["FP8KV", "Fp8kvAttentionBackend"]
+
+
 @pytest.mark.parametrize("name", ["FP8KV", "fp8kv"])
 def test_the_command_line_selects_the_backend(name):
     """`vllm serve MODEL --kv-cache-dtype fp8 --attention-backend FP8KV` (the name in any case)."""
@@ -354,6 +371,16 @@ def test_validate_configuration_accepts(changes):
 ], ids=lambda x: str(x) if isinstance(x, dict) else "")
 def test_validate_configuration_refuses(changes, reason):
     assert reason in Fp8kvAttentionBackend.validate_configuration(**valid_configuration(**changes))
+
+
+def test_a_platform_without_a_compute_capability_is_accepted_where_it_is_vllms_cpu_platform(monkeypatch):
+    """vLLM's CPU platform reports no compute capability (None): fp8kv's CPU kernels run there, and
+    on no other platform without one."""
+    assert current_platform.is_cpu() and current_platform.get_device_capability() is None
+    assert Fp8kvAttentionBackend.validate_configuration(**valid_configuration(device_capability=None)) == []
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    assert "compute capability not supported" in \
+        Fp8kvAttentionBackend.validate_configuration(**valid_configuration(device_capability=None))
 
 
 def test_validate_configuration_refuses_another_vllm_and_a_build_without_cuda_kernels(monkeypatch):

@@ -44,7 +44,24 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, BACKEND_CLASS)
+        register_backend(BACKEND_NAME, _BackendClass(BACKEND_CLASS))
+
+
+class _BackendClass(str):
+    """The value of the registry's FP8KV member: the backend's class path, registering the backend
+    wherever it is unpickled. vLLM sends its config, the selected member with it, to the processes
+    it spawns (the engine core, the workers), and an enum member is unpickled by its value before
+    those processes load their plugins: without this, FP8KV would not exist there yet."""
+
+    def __reduce__(self):
+        return _registered_class, ()
+
+
+def _registered_class() -> str:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    register()
+    return AttentionBackendEnum[BACKEND_NAME].value
 
 
 def cache_format(kv_cache_dtype: str, platform_fp8: torch.dtype) -> torch.dtype | None:

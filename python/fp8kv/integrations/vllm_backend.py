@@ -24,10 +24,13 @@ from .._ops import has_cuda_kernels, supported_values
 from .vllm import BACKEND_NAME, KV_CACHE_DTYPES, SUPPORTED_VLLM, AttentionMetadata, attend, cache_format, write_kv
 
 
-def runs_on(capability: DeviceCapability) -> bool:
+def runs_on(capability: DeviceCapability | None) -> bool:
     """The NVIDIA GPUs the CUDA kernels are built for by default (TORCH_CUDA_ARCH_LIST 8.0;8.9;9.0a):
     sm_80 code runs on every 8.x device, the sm_90a code on 9.0 (H100, H200); there is none for 10.0
-    and later. vLLM reports AMD's MI300 as 9.4: not one of these."""
+    and later. vLLM reports AMD's MI300 as 9.4: not one of these. A platform without a compute
+    capability (None) is one only where it is vLLM's CPU platform: fp8kv's CPU kernels."""
+    if capability is None:
+        return current_platform.is_cpu()
     return capability.major == 8 or capability == DeviceCapability(9, 0)
 
 
