@@ -99,12 +99,11 @@ class Reference:
     `kv_cache`'s format, recipe and scales."""
 
     def __init__(self, checkpoint: pathlib.Path, kv_cache=None, block_size: int = 16, max_tokens: int = 1024):
-        import transformers
-
         from fp8kv.integrations.transformers import enable
+        from fp8kv.loading import load_causal_lm
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16,
-                                                                  attn_implementation="sdpa").eval()
+        model = load_causal_lm(checkpoint, torch.bfloat16, progress=False).eval()  # a checkpoint with scales too
+        model.set_attn_implementation("sdpa")
         self.model = model if kv_cache is None else enable(model)
         self.kv_cache, self.block_size, self.max_tokens = kv_cache, block_size, max_tokens
 
