@@ -648,7 +648,9 @@ def test_cuda_graph_capture_derives_the_step_indices_inside_the_graph(monkeypatc
     # transformers runs a step once, then captures it on the same index tensors: the metadata derived
     # on the first run must not be reused by the capture, or the graph would replay that step's indices
     # on every later step. On any machine: capture is simulated.
-    state = continuous_batching._CacheState(KVCacheConfig.unit_scales("e4m3", 2), torch.device("cpu"), padded=True)
+    state = continuous_batching._CacheState(
+        KVCacheConfig.unit_scales("e4m3", 2), torch.device("cpu"), padded=True, fp8_math=False
+    )
     derived = []
     monkeypatch.setattr(continuous_batching, "_step_metadata", lambda *args: derived.append(args) or len(derived))
     allocator = type("Allocator", (), {"layer_type": "full_attention"})()
