@@ -1,10 +1,11 @@
-// The merge of two attention states (merge_attention_states), framework-free: every backend weighs
-// the two outputs the same way, in fp32.
+// The merge of two attention states (merge_attention_states), framework-free: every backend merges
+// its rows with merge_row, in fp32.
 #pragma once
 
 #include <cmath>
 
 #include "dispatch.h"
+#include "kernel_params.h"
 
 namespace fp8kv {
 
@@ -27,6 +28,22 @@ FP8KV_HOST_DEVICE MergeWeights merge_weights(float lse_a, float lse_b) {
 // One merged element: a state of weight 0 does not enter (its output may be anything, even NaN).
 FP8KV_HOST_DEVICE float merged(const MergeWeights& w, float x_a, float x_b) {
   return (w.a != 0.f ? w.a * x_a : 0.f) + (w.b != 0.f ? w.b * x_b : 0.f);
+}
+
+// Merges row `row` (token * num_heads + head) of p: elements first, first + step, ... (a backend's
+// lanes share a row), the log-sum-exp by the lane of element 0. E: the Element of p.dtype.
+template <typename E>
+FP8KV_HOST_DEVICE void merge_row(const MergeStatesParams& p, int64_t row, int first, int step) {
+  using Storage = typename E::Storage;
+  const int64_t token = row / p.num_heads;
+  const int head = static_cast<int>(row % p.num_heads);
+  const MergeWeights w = merge_weights(static_cast<const float*>(p.lse_a.data)[p.lse_a.offset(token, head)],
+                                       static_cast<const float*>(p.lse_b.data)[p.lse_b.offset(token, head)]);
+  const auto* a = static_cast<const Storage*>(p.out_a.data) + p.out_a.offset(token, head);
+  const auto* b = static_cast<const Storage*>(p.out_b.data) + p.out_b.offset(token, head);
+  auto* out = static_cast<Storage*>(p.out.data) + p.out.offset(token, head);
+  for (int d = first; d < p.head_size; d += step) out[d] = E::from_float(merged(w, E::to_float(a[d]), E::to_float(b[d])));
+  if (first == 0 && p.lse.data != nullptr) static_cast<float*>(p.lse.data)[p.lse.offset(token, head)] = w.lse;
 }
 
 }  // namespace fp8kv

@@ -9,22 +9,9 @@
 namespace fp8kv::cpu {
 
 void merge_attention_states(const MergeStatesParams& p) {
-  const int64_t rows = p.num_tokens * p.num_heads;
   dispatch_source_dtype(p.dtype, [&](auto type) {
-    using T = Element<decltype(type)::value>;
-    using Storage = typename T::Storage;
-    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row) {
-        const int64_t token = row / p.num_heads;
-        const int head = static_cast<int>(row % p.num_heads);
-        const MergeWeights w = merge_weights(static_cast<const float*>(p.lse_a.data)[p.lse_a.offset(token, head)],
-                                             static_cast<const float*>(p.lse_b.data)[p.lse_b.offset(token, head)]);
-        const auto* a = static_cast<const Storage*>(p.out_a.data) + p.out_a.offset(token, head);
-        const auto* b = static_cast<const Storage*>(p.out_b.data) + p.out_b.offset(token, head);
-        auto* out = static_cast<Storage*>(p.out.data) + p.out.offset(token, head);
-        for (int d = 0; d < p.head_size; ++d) out[d] = T::from_float(merged(w, T::to_float(a[d]), T::to_float(b[d])));
-        if (p.lse.data != nullptr) static_cast<float*>(p.lse.data)[p.lse.offset(token, head)] = w.lse;
-      }
+    at::parallel_for(0, p.num_tokens * p.num_heads, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) merge_row<Element<decltype(type)::value>>(p, row, 0, 1);
     });
   });
 }

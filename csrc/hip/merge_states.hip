@@ -14,19 +14,8 @@ constexpr int kWaves = 4;
 
 template <typename E>  // an Element
 __global__ __launch_bounds__(kWaves * kWaveSize) void merge_states_kernel(MergeStatesParams p) {
-  using Storage = typename E::Storage;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kWaves + threadIdx.x / kWaveSize;
-  if (row >= p.num_tokens * p.num_heads) return;
-  const int64_t token = row / p.num_heads;
-  const int head = static_cast<int>(row % p.num_heads);
-  const MergeWeights w = merge_weights(static_cast<const float*>(p.lse_a.data)[p.lse_a.offset(token, head)],
-                                       static_cast<const float*>(p.lse_b.data)[p.lse_b.offset(token, head)]);
-  const auto* a = static_cast<const Storage*>(p.out_a.data) + p.out_a.offset(token, head);
-  const auto* b = static_cast<const Storage*>(p.out_b.data) + p.out_b.offset(token, head);
-  auto* out = static_cast<Storage*>(p.out.data) + p.out.offset(token, head);
-  const int lane = threadIdx.x % kWaveSize;
-  for (int d = lane; d < p.head_size; d += kWaveSize) out[d] = E::from_float(merged(w, E::to_float(a[d]), E::to_float(b[d])));
-  if (lane == 0 && p.lse.data != nullptr) static_cast<float*>(p.lse.data)[p.lse.offset(token, head)] = w.lse;
+  if (row < p.num_tokens * p.num_heads) merge_row<E>(p, row, threadIdx.x % kWaveSize, kWaveSize);
 }
 
 }  // namespace
