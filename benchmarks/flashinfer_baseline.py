@@ -66,8 +66,8 @@ def paged_kv_indices(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_s
 
 def quantize_per_head(query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """e4m3 codes of a [tokens, heads, dim] query and their float32 scale per head (amax / 448):
-    query ~ codes * scale[head]. Two kernels: the maxima, then one division that rounds to e4m3 as it
-    stores (the quotient never exceeds 448, so no code saturates)."""
+    query ~ codes * scale[head]. Two passes over the query: its maxima, then one float32 division
+    that rounds to e4m3 as it stores (a quotient above 448 by float32 rounding rounds back to 448)."""
     amax = torch.linalg.vector_norm(query, float("inf"), dim=(0, 2), dtype=torch.float32)
     scale = (amax / torch.finfo(FP8_QUERY_DTYPE).max).clamp_min(torch.finfo(torch.float32).tiny)  # a zero head: codes 0
     codes = torch.empty(query.shape, dtype=FP8_QUERY_DTYPE, device=query.device)
