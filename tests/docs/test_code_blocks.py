@@ -6,7 +6,7 @@
 - Bash blocks are not executed (they install, build and download for minutes): every command in them
   is checked. `python3 -m fp8kv ...` is parsed by fp8kv's own parser (which checks the values, the
   placeholder checkpoint included); `python3 -m pip install ...` by pip's parser, and a local
-  `".[extra]"` must name an extra of pyproject.toml; `python3 -m venv` flags must be in its help;
+  `".[extra]"` must name an extra of fp8kv; `python3 -m venv` flags must be in its help;
   `bash scripts/X.sh JOB` must be a script whose usage names JOB; `. DIR/bin/activate` must follow
   the venv command that makes DIR.
 - JSON blocks must parse. `$ python -m fp8kv inspect ...` sample output is compared with what
@@ -24,7 +24,7 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
+from importlib import metadata
 
 import pytest
 import torch
@@ -126,7 +126,7 @@ def pip_install(argv: list[str]):
     from pip._internal.commands import create_command
 
     options, requirements = create_command("install").parse_args(argv)  # exits on an unknown option
-    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = metadata.metadata("fp8kv").get_all("Provides-Extra")  # pyproject.toml's, as installed
     for requirement in requirements:
         local = re.fullmatch(r"\.\[(.*)\]", requirement)
         if local:
