@@ -78,11 +78,12 @@ inline AttentionKernel multi_token_kernel(const PagedAttentionParams& p, const D
   return sm90a_kernel_runs(p.head_size, device) ? AttentionKernel::kMultiTokenSm90a : AttentionKernel::kMultiTokenSm80;
 }
 
-// The kernel for p. `request` has been checked (paged_attention_unsupported): a kernel it names runs
-// p. Short queries (verification, decode-heavy batches) are bound by memory: they go to the decode
-// kernel, whose items then take all of a sequence's draft rows (up to 16 at head size <= 128), so each
-// page is streamed once at the decode kernel's bandwidth (docs/cuda_prefill_design.md); it keeps
-// 16-bit math, fp8_math or not (FP8 math would cost accuracy and save no time there).
+// The kernel for p. `request` has been checked (paged_attention_unsupported): a kernel it names
+// runs p. Short queries (verification, decode-heavy batches) are bound by memory: they go to the
+// decode kernel, whose items then take all of a sequence's draft rows (up to 16 at head size
+// <= 128), so each page is streamed once at the decode kernel's bandwidth (cuda_prefill_design.md,
+// "Short queries on the decode kernel"); it keeps 16-bit math, fp8_math or not (FP8 math would cost
+// accuracy and save no time there).
 inline AttentionKernel attention_kernel(const PagedAttentionParams& p, MultiTokenRequest request,
                                         const DeviceFacts& device) {
   if (p.cu_seqlens_q == nullptr) return AttentionKernel::kDecode;
@@ -177,8 +178,9 @@ inline int64_t decode_row_chunk_bound(const PagedAttentionParams& p) {
 // bandwidth only with about kDecodeBytesInFlight in flight in all (the bandwidth times a loaded
 // round trip of about a microsecond). SmolLM2-135M at B64 (3 KV heads of head size 64) kept 1.5 MiB
 // in flight with FP8 rows and read at 67% of the bandwidth, 3 MiB with bf16 rows and read at 86%
-// (cuda_decode_design.md, "Split sizing"). On an H200 (1.4x the bandwidth, the same SMs) 3 MiB was again the
-// fastest of 1.5 to 12 MiB on every decode shape, or within 0.5% of it (docs/benchmarks_h200.md).
+// (cuda_decode_design.md, "Split sizing"). On an H200 (1.4x the bandwidth, the same SMs) 3 MiB was
+// again the fastest of 1.5 to 12 MiB on every decode shape, or within 0.5% of it
+// (docs/benchmarks_h200.md).
 inline constexpr int64_t kDecodeBytesInFlight = int64_t{3} << 20;
 
 inline int64_t decode_cta_bytes_in_flight(const PagedAttentionParams& p) {

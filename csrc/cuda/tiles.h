@@ -57,7 +57,7 @@ constexpr int kMaxStages = 2;
 // spills, left 512 verification items 1.3 waves and took 15% longer). Two column tiles hold twice
 // the query fragments and accumulators: under 170 registers (three CTAs) they spill inside the tile
 // loop and took 29% longer than with two CTAs of 222, except at head size 64, which fits 170
-// (docs/cuda_prefill_design.md).
+// (cuda_prefill_design.md, "Short queries on the decode kernel").
 constexpr int min_ctas_per_sm(int head_size, int column_tiles, bool queries) {
   if (head_size > 128) return 1;
   if (!queries || column_tiles == 1) return 4;
