@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import queue
 import re
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -66,19 +64,22 @@ def write_checkpoint(directory: pathlib.Path, initializer_range: float = 0.02, c
 class Server:
     """`python -m fp8kv serve` on a free loopback port (--port 0, the start-up line gives it), ready
     once /health answers; `name` is the model's name for the clients (--model as given). `prelude`:
-    Python run in the process before fp8kv (it then runs through runpy); `args`: more options."""
+    Python run in the process before fp8kv (it then runs through runpy); `args`: more options; `env`:
+    more environment variables."""
 
     def __init__(self, checkpoint, log_path, device: str = "cpu", startup_s: float = STARTUP_S,
-                 prelude: str | None = None, args: tuple[str, ...] = ()):
+                 prelude: str | None = None, args: tuple[str, ...] = (), env: dict[str, str] | None = None):
         self.name, self.startup_s = str(checkpoint), startup_s
+        # Its output goes to files: a pipe nobody reads would fill up with the access log and block the server.
         self.log = open(log_path, "w+")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: one thread, no synchronization
+        self.out = open(pathlib.Path(log_path).with_suffix(".out"), "w+")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}  # a tiny model: one thread, no synchronization
         start = ["-m", "fp8kv"] if prelude is None else [
             "-c", f"{prelude}\nimport runpy\nrunpy.run_module('fp8kv', run_name='__main__', alter_sys=True)"]
         self.process = subprocess.Popen(
             [sys.executable, *start, "serve", "--model", self.name, "--port", "0", "--device", device,
              "--kv-cache-memory", str(KV_CACHE_GIB), *args],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+            stdout=self.out, stderr=self.log, env=env)
         self.startup_line = self._first_line()
         match = re.search(r" at http://127\.0\.0\.1:(\d+)/v1; ", self.startup_line)
         assert match, self.startup_line
@@ -89,14 +90,14 @@ class Server:
         self._wait_until_healthy()
 
     def _first_line(self) -> str:
-        lines = queue.Queue()
-        threading.Thread(target=lambda: lines.put(self.process.stdout.readline()), daemon=True).start()
-        try:
-            line = lines.get(timeout=self.startup_s)
-        except queue.Empty:
-            pytest.fail(f"no start-up line in {self.startup_s} s: {self.stderr()}")
-        assert line, f"the server exited with status {self.process.wait()}: {self.stderr()}"
-        return line
+        deadline = time.monotonic() + self.startup_s
+        while time.monotonic() < deadline:
+            line, newline, _ = self.stdout().partition("\n")
+            if newline:
+                return line + newline
+            assert self.process.poll() is None, f"the server exited with status {self.process.wait()}: {self.stderr()}"
+            time.sleep(0.05)
+        pytest.fail(f"no start-up line in {self.startup_s} s: {self.stderr()}")
 
     def _wait_until_healthy(self) -> None:
         deadline = time.monotonic() + self.startup_s
@@ -131,6 +132,10 @@ class Server:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         return request(f"{self.url}{path}", data, timeout=timeout or self.startup_s)
 
+    def stdout(self) -> str:
+        self.out.seek(0)
+        return self.out.read()
+
     def stderr(self) -> str:
         self.log.seek(0)
         return self.log.read()
@@ -139,7 +144,7 @@ class Server:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        self.process.stdout.close()
+        self.out.close()
         self.log.close()
 
 

@@ -185,7 +185,7 @@ def test_a_signal_stops_the_server_after_the_answers_in_flight(fresh_server, ref
     assert fresh_server.process.wait(timeout=STOP_S) == status, fresh_server.stderr()
     assert "Traceback" not in fresh_server.stderr()
     # The last line, once the worker has stopped (uvicorn's access log comes before it on stdout).
-    assert fresh_server.process.stdout.read().splitlines()[-1] == "fp8kv serve: stopped"
+    assert fresh_server.stdout().splitlines()[-1] == "fp8kv serve: stopped"
     with socket.socket() as again:
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         again.bind(("127.0.0.1", fresh_server.port))

@@ -351,7 +351,7 @@ def test_a_signal_ends_the_requests_still_running_after_the_shutdown_timeout(tmp
                        "in flight (--shutdown-timeout)", "type": "server_error"}}), plain
         assert served.process.wait(timeout=STOP_S) == status, served.stderr()
         assert time.monotonic() - signalled < 10, "the shutdown took longer than its bound"
-        assert served.process.stdout.read().splitlines()[-1] == "fp8kv serve: stopped"
+        assert served.stdout().splitlines()[-1] == "fp8kv serve: stopped"
         assert "Traceback" not in served.stderr(), served.stderr()
     finally:
         served.close()

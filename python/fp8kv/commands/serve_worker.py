@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import queue
 import threading
 from typing import NamedTuple
 
@@ -244,6 +245,9 @@ def worker_class():
 
         def _guarded(self, loop_body):
             def guarded(batch_processor, bootstrapping: bool) -> bool:
+                # Results of requests whose handler is gone (the last tokens of a cancelled stream) land in
+                # transformers' shared queue, which nothing here reads.
+                _drain(self._cb.output_router.output_queue)
                 if self._ending is not None and (batch_processor.has_pending_requests()
                                                  or not self._cb.input_queue.empty()):
                     self._end(batch_processor, self._ending, waiting_too=True)
@@ -297,6 +301,14 @@ def worker_class():
                     "waiting": len(scheduler.waiting_requests) + self._cb.input_queue.qsize()}
 
     return Worker
+
+
+def _drain(results: queue.Queue) -> None:
+    while True:
+        try:
+            results.get_nowait()
+        except queue.Empty:
+            return
 
 
 def _allocator(cache):
