@@ -12,6 +12,7 @@ no traceback in its log. The figures are printed (-s)."""
 
 import collections
 import concurrent.futures
+import contextlib
 import http.client
 import json
 import os
@@ -96,17 +97,24 @@ class Client:
     def __init__(self, port: int):
         self.port = port
 
-    def send(self, body) -> http.client.HTTPResponse:
+    def send(self, body) -> http.client.HTTPConnection:
+        """A connection that has sent `body` (bytes as they are, anything else as JSON)."""
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_S)
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         connection.request("POST", "/v1/chat/completions", data, {"Content-Type": "application/json"})
         return connection
 
-    def answer(self, body) -> tuple[int, object]:
-        """(status, the answer): (text, finish reason) where it is 200, else the body's JSON or text."""
+    @contextlib.contextmanager
+    def response(self, body):
         connection = self.send(body)
         try:
-            response = connection.getresponse()
+            yield connection.getresponse()
+        finally:
+            connection.close()
+
+    def answer(self, body) -> tuple[int, object]:
+        """(status, the answer): (text, finish reason) where it is 200, else the body's JSON or text."""
+        with self.response(body) as response:
             if response.status != 200:
                 return response.status, _json(response.read())
             if not body.get("stream"):
@@ -119,26 +127,22 @@ class Client:
                 text += event["choices"][0]["delta"].get("content") or ""
                 finish = event["choices"][0].get("finish_reason") or finish
             return 200, (text, finish)
-        finally:
-            connection.close()
 
-    def close_mid_answer(self, body) -> tuple[int, str]:
+    def close_mid_answer(self, body) -> tuple[int, object]:
         """Reads the stream's first two content chunks, then closes: (status, the text read)."""
-        connection = self.send(body)
-        try:
-            response = connection.getresponse()
+        with self.response(body) as response:
             if response.status != 200:
                 return response.status, _json(response.read())
             text, chunks = "", 0
             for event in _events(response):
-                content = event["choices"][0]["delta"].get("content") if "choices" in event else None
+                if "error" in event:
+                    return 200, {"stream error": event["error"]}
+                content = event["choices"][0]["delta"].get("content")
                 text += content or ""
                 chunks += bool(content)
-                if chunks == 2 or "error" in event or event["choices"][0].get("finish_reason"):
+                if chunks == 2 or event["choices"][0].get("finish_reason"):
                     break
             return 200, text
-        finally:
-            connection.close()
 
     def cancel_at_once(self, body) -> None:
         """Sends the request and closes the connection before any answer."""
@@ -187,7 +191,8 @@ def soak(port: int, references: dict) -> list[tuple[str, bool, object]]:
                         record(kind, got == (200, references[SHARED]), got)
                 elif kind == "closed mid-answer":
                     status, text = client.close_mid_answer(good(request, stream=True))
-                    record(kind, status == 200 and references[request][0].startswith(text), (status, text))
+                    record(kind, status == 200 and isinstance(text, str) and references[request][0].startswith(text),
+                           (status, text))
                 elif kind == "cancelled before its first token":
                     client.cancel_at_once(good(request, stream=rng.random() < 0.5))
                     record(kind, True, None)
