@@ -9,12 +9,14 @@ computed here from the model's geometry."""
 
 import argparse
 import concurrent.futures
+import json
 import pathlib
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 import torch
@@ -120,6 +122,44 @@ def test_startup_line_says_what_is_served(server, checkpoint):
 
 def test_models_lists_the_served_model(server):
     assert [model.id for model in server.client.models.list()] == [server.name]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+@pytest.mark.parametrize("given", [None, "client-id-7", "client-\xe9"], ids=["new", "given", "given-latin-1"])
+def test_each_answer_carries_its_request_id(server, stream, given):
+    """The x-request-id header the client sends (any bytes: a header is latin-1), else a new one, comes back
+    as the one such header and as the id of the completion (of every chunk of a stream)."""
+    body = {"model": server.name, "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 3,
+            "stream": stream}
+    headers = {"Content-Type": "application/json"} | ({"x-request-id": given} if given else {})
+    asked = urllib.request.Request(f"{server.url}/v1/chat/completions", json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(asked, timeout=STARTUP_S) as response:
+        request_ids, text = response.headers.get_all("x-request-id"), response.read().decode()
+    ids = ({json.loads(line[6:])["id"] for line in text.splitlines() if line.startswith("data: ")} if stream
+           else {json.loads(text)["id"]})
+    assert len(request_ids) == 1 and ids == set(request_ids), (ids, request_ids)
+    assert request_ids[0] == given if given else len(request_ids[0]) == 36, request_ids
+
+
+def test_the_request_id_middleware_is_replaced_where_there_is_exactly_one():
+    """Where transformers' id middleware were not found, both would run, each giving its own id."""
+    from fastapi import FastAPI
+    from starlette.middleware.base import BaseHTTPMiddleware
+
+    from fp8kv.commands.errors import CommandError
+    from fp8kv.commands.serve import _replace_request_id_middleware
+
+    app = FastAPI()
+
+    @app.middleware("http")
+    async def request_id_middleware(request, call_next):
+        return await call_next(request)
+
+    _replace_request_id_middleware(app)
+    assert [middleware.cls.__name__ for middleware in app.user_middleware] == ["RequestIds"]
+    assert not any(middleware.cls is BaseHTTPMiddleware for middleware in app.user_middleware)
+    with pytest.raises(CommandError, match="has no one request_id_middleware for fp8kv to replace"):
+        _replace_request_id_middleware(app)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])

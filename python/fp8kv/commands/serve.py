@@ -26,6 +26,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 
 from ..evaluate.pipeline import DTYPES, model_directory
 from ..formats import KVCacheDtype, format_names
@@ -268,6 +269,7 @@ class Server:
         self.app = build_server(self.models, chat, completion_handler=completion, response_handler=response,
                                 transcription_handler=TranscriptionHandler(**handlers),
                                 systemone_handler=SystemOneHandler(**handlers), generation_state=self.generation)
+        _replace_request_id_middleware(self.app)
         self.app.add_exception_handler(serve_requests.InvalidRequest, _invalid_request)
         self.app.add_exception_handler(serve_worker.RequestEnded, _ended_request)
         self.app.add_exception_handler(CBWorkerDeadError, _worker_dead)
@@ -348,6 +350,46 @@ class Server:
 
     def stop_worker(self) -> None:
         self.generation.shutdown()
+
+
+def _replace_request_id_middleware(app) -> None:
+    """transformers' middleware giving each request its id (the x-request-id header, or a new one) as one
+    that passes a streamed answer's chunks straight through: transformers' is Starlette's
+    BaseHTTPMiddleware, which relays each chunk through a stream of its own (measured on 2 CPU cores, 16
+    streams of 300 tokens at once on a tiny model: the server's CPU time per chunk, 0.62 ms with this
+    one, 0.72 ms with transformers')."""
+    import transformers
+    from starlette.middleware.base import BaseHTTPMiddleware
+    from transformers.cli.serving.utils import X_REQUEST_ID
+
+    header = X_REQUEST_ID.encode()
+
+    class RequestIds:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+            # Header values are bytes of any kind: latin-1, as Starlette reads them, decodes them all.
+            request_id = dict(scope["headers"]).get(header, b"").decode("latin-1") or str(uuid.uuid4())
+            scope.setdefault("state", {})["request_id"] = request_id
+
+            async def send_with_id(message):
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message.get("headers", ()), (header, request_id.encode("latin-1"))]
+                await send(message)
+
+            await self.app(scope, receive, send_with_id)
+
+    kept = [middleware for middleware in app.user_middleware if not (
+        middleware.cls is BaseHTTPMiddleware
+        and getattr(middleware.kwargs.get("dispatch"), "__name__", None) == "request_id_middleware")]
+    if len(kept) != len(app.user_middleware) - 1:  # both would run, each giving the request an id of its own
+        raise CommandError(f"transformers {transformers.__version__}'s server has no one request_id_middleware "
+                           f"for fp8kv to replace: {INSTALL_SERVE}")
+    app.user_middleware[:] = kept
+    app.add_middleware(RequestIds)
 
 
 def _bounded_server(server_class):
