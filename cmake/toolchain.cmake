@@ -31,6 +31,8 @@ endif()
 # The verdict is cached per compiler, torch and runtime, so re-configuring does not rebuild the probe.
 set(_probe_key "${CMAKE_CXX_COMPILER}|${TORCH_DIR}|${TORCH_RUNTIME_LIBSTDCXX}|${TORCH_CXX_STANDARD}")
 if(NOT FP8KV_TOOLCHAIN_PROBED STREQUAL _probe_key)
+  message(STATUS "fp8kv: building and loading a one-op probe library with ${CMAKE_CXX_COMPILER} (once per "
+          "compiler and torch; about half a minute)")
   set(_probe_dir "${CMAKE_BINARY_DIR}/toolchain_probe")
   file(MAKE_DIRECTORY "${_probe_dir}")
   execute_process(

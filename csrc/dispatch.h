@@ -69,6 +69,10 @@ inline constexpr int kCudaBlockSizes[] = {8, 16, 32, 64, 128, 256};
 // The sm_90a multi-token kernel (warpgroup MMAs): its head sizes (multiples of the 64-element swizzle
 // row; above 128 the query is staged in shared memory) and the compute capability its code runs on.
 inline constexpr int kCudaSm90aHeadSizes[] = {64, 128, 256};
+// Its FP8-math variant (`fp8_math`): e4m3fn and e5m2 caches, these head sizes (at 256, O and its
+// partial sums would take every register).
+inline constexpr int kCudaSm90aFp8MathHeadSizes[] = {64, 128};
+inline constexpr DType kCudaFp8MathDTypes[] = {DType::kFloat8E4M3FN, DType::kFloat8E5M2};
 inline constexpr int kCudaSm90aCapability[] = {9, 0};
 // The most sequences of a multi-token call the CUDA decode kernel takes (its CTAs stage a table of
 // them in shared memory); calls of more take the multi-token kernels.

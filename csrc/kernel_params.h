@@ -75,6 +75,7 @@ struct PagedAttentionParams {
   int sliding_window;     // <= 0: none
   float logits_soft_cap;  // <= 0: none
   CacheTransform transform;
+  bool fp8_math;  // multi-token queries in FP8 tensor-core math (e4m3fn / e5m2 caches), where a backend has it
 };
 
 // The cache positions [begin, end) that query token `token` of a sequence's q_len query tokens sees,

@@ -310,7 +310,7 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
                                             const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
                                             const at::Tensor& k_scale, const at::Tensor& v_scale,
                                             int64_t sliding_window, double logits_soft_cap, bool hadamard,
-                                            const std::optional<at::Tensor>& k_offset) {
+                                            const std::optional<at::Tensor>& k_offset, bool fp8_math) {
   constexpr const char* op = "fp8kv.paged_attention";
   check_rank(op, "query", query, 3, "[num_query_tokens, num_heads, head_size]");
   const auto query_type = query.scalar_type();
@@ -405,6 +405,9 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
   p.sliding_window = static_cast<int>(sliding_window);
   p.logits_soft_cap = cap32;
   p.transform = cache_transform(op, hadamard, k_offset, cache_type, num_kv_heads, p.head_size, query, "query");
+  TORCH_CHECK(!fp8_math || is_one_of(kCudaFp8MathDTypes, cache_type), op, ": `fp8_math` needs a ",
+              format_list(kCudaFp8MathDTypes, " or "), " cache, got `key_cache` ", cache_type);
+  p.fp8_math = fp8_math;
   return p;
 }
 

@@ -23,7 +23,7 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
                                             const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
                                             const at::Tensor& k_scale, const at::Tensor& v_scale,
                                             int64_t sliding_window, double logits_soft_cap, bool hadamard,
-                                            const std::optional<at::Tensor>& k_offset);
+                                            const std::optional<at::Tensor>& k_offset, bool fp8_math);
 
 AmaxParams amax_params(const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_amax,
                        const at::Tensor& v_amax);

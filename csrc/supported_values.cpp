@@ -24,6 +24,7 @@ std::vector<int64_t> supported_values(c10::string_view name) {
       {"cuda_head_sizes", as_list(kCudaHeadSizes)},
       {"cuda_block_sizes", as_list(kCudaBlockSizes)},
       {"cuda_sm90a_head_sizes", as_list(kCudaSm90aHeadSizes)},
+      {"cuda_sm90a_fp8_math_head_sizes", as_list(kCudaSm90aFp8MathHeadSizes)},
       {"cuda_sm90a_capability", as_list(kCudaSm90aCapability)},
       {"cuda_decode_table_seqs", as_list(kCudaDecodeTableSeqs)},
   };

@@ -25,7 +25,7 @@ FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, None] 
 
 
 def attention_case(head_size, block_size, group, cache_dtype, queries, hnd, window, cap, long, num_seqs=3,
-                   rotated=False):
+                   rotated=False, fp8_math=False):
     """queries: 'decode' (one per sequence), 'verify' (1, 2 and 4 draft tokens) or 'prefill' (3
     sequences); more sequences repeat the three lengths and query lengths."""
     device = "cuda"
@@ -58,7 +58,7 @@ def attention_case(head_size, block_size, group, cache_dtype, queries, hnd, wind
     scale = torch.full((num_kv_heads,), 0.02, device=device)
     k_offset = torch.randn(num_kv_heads, head_size, device=device) if rotated else None
     ops.paged_attention(out, query, key_cache, value_cache, table.to(device), lens.int().to(device), cu,
-                        head_size ** -0.5, scale, scale, window, cap, rotated, k_offset)
+                        head_size ** -0.5, scale, scale, window, cap, rotated, k_offset, fp8_math)
 
 
 def cache_write_case(src_dtype, cache_dtype, head_size, strided, rotated=False):
@@ -78,12 +78,36 @@ def cache_write_case(src_dtype, cache_dtype, head_size, strided, rotated=False):
     ops.kv_amax(key, value, k_amax, v_amax)
 
 
+def fp8_math_cases() -> int:
+    """The sm_90a kernel's FP8 math: both FP8 formats and head sizes, prefill with long contexts
+    (splits), and short queries forced onto it (tiles of padding rows), with the recipes' features."""
+    count = 0
+    for i, (head, cache, queries) in enumerate(itertools.product(supported_values("cuda_sm90a_fp8_math_head_sizes"),
+                                                                 [torch.float8_e4m3fn, torch.float8_e5m2],
+                                                                 ["prefill", "verify"])):
+        if queries == "verify":
+            os.environ["FP8KV_MULTI_TOKEN_KERNEL"] = "sm90a"
+        attention_case(head, [16, 32][i % 2], [1, 4, 8][i % 3], cache, queries, hnd=i % 2 == 1,
+                       window=50 if i % 4 == 1 else -1, cap=20.0 if i % 3 == 0 else 0.0, long=True,
+                       rotated=i % 2 == 0, fp8_math=True)
+        os.environ.pop("FP8KV_MULTI_TOKEN_KERNEL", None)
+        count += 1
+    return count
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="a few cases (racecheck is slow)")
+    parser.add_argument("--fp8-math", action="store_true", help="only the FP8-math kernel's cases")
     args = parser.parse_args()
     torch.manual_seed(0)
     count = 0
+    if torch.cuda.get_device_capability() == supported_values("cuda_sm90a_capability"):
+        count += fp8_math_cases()
+    if args.fp8_math:
+        torch.cuda.synchronize()
+        print(f"sanitize workload: {count} op calls completed")
+        return
     for src, cache, head, strided in itertools.product([torch.float16, torch.bfloat16, torch.float32],
                                                       FORMATS, [64, 80], [False, True]):
         cache_write_case(src, cache, head, strided)

@@ -93,6 +93,22 @@ def raw_safetensors(path, header: bytes, data: bytes = b"", header_length: int |
     pathlib.Path(path).write_bytes(struct.pack("<Q", length) + header + data)
 
 
+def edit_safetensors_header(path, edit) -> None:
+    """Rewrites the JSON header of safetensors file `path` as edit(header dict) leaves it, the tensor
+    data unchanged (a header that no longer describes its data, as a corrupted file's would)."""
+    raw = pathlib.Path(path).read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    edit(header)
+    raw_safetensors(path, json.dumps(header).encode(), raw[8 + length:])
+
+
+def truncate(path, keep: float = 0.5) -> None:
+    """Cuts file `path` to the fraction `keep` of its bytes, as an interrupted copy or download leaves it."""
+    path = pathlib.Path(path)
+    os.truncate(path, int(path.stat().st_size * keep))
+
+
 def assert_reported(problems, message: str, file=None, tensor=None) -> None:
     """One of `problems` (Problem objects or their text) names `file` and `tensor` and matches the
     regular expression `message`."""

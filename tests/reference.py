@@ -378,6 +378,72 @@ def quantization_error_bound(query, key_values, value_values, key_error, value_e
     return bound
 
 
+# The FP8 math of the CUDA sm_90a kernel (`fp8_math`; csrc/cuda/tiles.h, namespace fp8_math).
+E4M3_MAX = 448.0
+FP8_PROBABILITY_SHIFT = 8  # P is quantized as 2^(logit - running max + 8)
+FP8_PROMOTE_KEYS = 128     # P V of this many keys accumulates in the FP8 MMAs' accumulator, then in fp32
+# The FP8 MMAs add into their accumulator keeping about 13 mantissa bits (truncating); this bound takes
+# 2^-12 per k-step of 32 products.
+FP8_ACCUMULATOR_UNIT = 2.0**-12
+
+
+def fp8_math_error_bound(query, key_values, value_values, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
+                         sliding_window=-1, logits_soft_cap=0.0, sigmas: float = 6.0) -> torch.Tensor:
+    """Bound per output element (float64, before the output's rounding) on what the FP8 math adds to
+    the fp32 arithmetic that paged_attention_reference bounds, in the basis `query` and the caches are
+    given in (the rotated recipe's rotated basis: a caller maps the bound back).
+
+    Three parts, each to first order:
+    - the query: each row is scaled by 448 / max|q| and rounded to e4m3 (error e_i, |e_i| <= b_i, half
+      the e4m3 spacing there times the row's scale; zero-mean and independent for data off the grid).
+      The output moves by sum_i e_i c_i with c_i = softmax_scale sum_j w_j g_j (v_jd - out_d) k_ij (g:
+      the soft cap's slope): Hoeffding bounds it by sigmas * sqrt(sum_i (b_i c_i)^2);
+    - P: p_j = 2^(logit_j - m + 8), m the running max (at most the row's max), rounded to e4m3 and
+      then scaled by 2^(m - max) exactly: in units of the row's sum each error is at most
+      max(2^-4 w_j, 2^-18 max_j w_j) (normal values: half a spacing, 2^-4 relative; subnormal or
+      flushed: half the smallest subnormal, 2^-10 against the largest p of 2^8), zero-mean and
+      independent: Hoeffding over j, times |v_jd|;
+    - the FP8 MMAs' accumulators: a logit sums D / 32 k-steps (relative error at most (D / 32)
+      FP8_ACCUMULATOR_UNIT of softmax_scale sum_i |q_i k_ij|, which moves a weight by a factor within
+      exp(+-2 delta)); P V sums FP8_PROMOTE_KEYS / 32 k-steps before each fp32 addition
+      ((FP8_PROMOTE_KEYS / 32) FP8_ACCUMULATOR_UNIT of sum_j w_j |v_jd|). Without the two-level
+      accumulation a long row's error would grow with its number of k-steps and break this bound.
+    """
+    fmt = FORMAT_BY_NAME["e4m3fn"]
+    head_size = query.shape[2]
+    bound = torch.zeros(query.shape, dtype=torch.float64, device=key_values.device)
+    for a in _attend_sequences(query, key_values, value_values, block_tables, seq_lens, cu_seqlens_q,
+                               softmax_scale, sliding_window, logits_soft_cap):
+        row_scale = (a.q.abs().amax(-1, keepdim=True) / E4M3_MAX).clamp(min=1e-300)        # [t, H, 1]
+        scaled = (a.q / row_scale).abs()
+        _, exponent = torch.frexp(scaled.clamp(min=2.0 ** (1 - fmt.exponent_bias)))
+        q_error = torch.pow(2.0, (exponent - 2 - fmt.mantissa_bits).double()) * row_scale  # half spacing
+        slope = 1 - torch.tanh(a.logits / logits_soft_cap) ** 2 if logits_soft_cap > 0 else 1.0
+        wg = a.weights * slope                                                              # [H, t, n]
+        # c[t, h, d, i] = softmax_scale * sum_j wg_j (v_jd - out_d) k_ji, per head, rows in chunks
+        q_term = torch.empty_like(a.out)
+        rows = max(1, (1 << 27) // (head_size * a.k.shape[0]))
+        for h in range(query.shape[1]):
+            for t in range(0, a.q.shape[0], rows):
+                w = wg[h, t:t + rows]                                                        # [r, n]
+                vk = (w.unsqueeze(1) * a.v[:, h].t().unsqueeze(0)) @ a.k[:, h]               # [r, D, D]
+                c = softmax_scale * (vk - a.out[t:t + rows, h].unsqueeze(-1) * (w @ a.k[:, h]).unsqueeze(1))
+                q_term[t:t + rows, h] = sigmas * ((c * q_error[t:t + rows, h].unsqueeze(1)) ** 2).sum(-1).sqrt()
+        w_max = a.weights.amax(-1, keepdim=True)
+        # Half the smallest e4m3 subnormal, 2^-10, against the largest p, 2^8.
+        smallest = 2.0 ** -(fmt.exponent_bias + fmt.mantissa_bits + FP8_PROBABILITY_SHIFT)
+        p_error = torch.maximum(a.weights * 2.0 ** -(fmt.mantissa_bits + 1), w_max * smallest)
+        p_error = p_error.masked_fill(~a.visible, 0)
+        p_term = sigmas * torch.einsum("htn,nhd->thd", p_error**2, a.v**2).sqrt()
+        magnitude = softmax_scale * torch.einsum("thd,nhd->htn", a.q.abs(), a.k.abs())
+        s_max = magnitude.masked_fill(~a.visible, 0).amax(-1)                                # [H, t]
+        delta = head_size / 32 * FP8_ACCUMULATOR_UNIT * s_max
+        relative = torch.expm1(2 * delta).t().unsqueeze(-1) + FP8_PROMOTE_KEYS / 32 * FP8_ACCUMULATOR_UNIT
+        acc_term = relative * torch.einsum("htn,nhd->thd", a.weights, a.v.abs())
+        bound[a.rows] = q_term + p_term + acc_term
+    return bound
+
+
 def assert_within(out: torch.Tensor, reference: AttentionReference, what: str = "") -> None:
     """|out - reference.out| <= reference.bound everywhere (NaN fails), with the worst offenders shown."""
     actual = out.double().to(reference.out.device)
@@ -414,6 +480,7 @@ class PagedAttentionInputs:
     sliding_window: int = -1
     logits_soft_cap: float = 0.0
     out: torch.Tensor | None = None  # preallocated output (maybe strided); None: like query
+    fp8_math: bool = False
 
     def run(self) -> torch.Tensor:
         """Calls the op on an `out` poisoned with NaN, so every element must be written."""
@@ -421,14 +488,18 @@ class PagedAttentionInputs:
         out.fill_(math.nan)
         fp8kv.ops.paged_attention(out, self.query, self.key_cache, self.value_cache, self.block_tables,
                                   self.seq_lens, self.cu_seqlens_q, self.softmax_scale, self.k_scale,
-                                  self.v_scale, self.sliding_window, self.logits_soft_cap)
+                                  self.v_scale, self.sliding_window, self.logits_soft_cap, fp8_math=self.fp8_math)
         return out
 
     def reference(self) -> AttentionReference:
-        reference = paged_attention_reference(
-            self.query, cache_values(self.key_cache, self.k_scale), cache_values(self.value_cache, self.v_scale),
-            self.block_tables, self.seq_lens, self.cu_seqlens_q, self.softmax_scale, self.sliding_window,
-            self.logits_soft_cap, kernel_product_dtype(self.key_cache))
+        """The float64 attention and a correct kernel's bound: its fp32 arithmetic, its 16-bit operands
+        or, with fp8_math, what the FP8 math adds."""
+        keys, values = cache_values(self.key_cache, self.k_scale), cache_values(self.value_cache, self.v_scale)
+        args = (self.query, keys, values, self.block_tables, self.seq_lens, self.cu_seqlens_q, self.softmax_scale,
+                self.sliding_window, self.logits_soft_cap)
+        reference = paged_attention_reference(*args, None if self.fp8_math else kernel_product_dtype(self.key_cache))
+        if self.fp8_math:
+            reference = AttentionReference(reference.out, reference.bound + fp8_math_error_bound(*args))
         return add_output_rounding(reference, self.query.dtype)
 
 

@@ -17,8 +17,8 @@ import torch
 
 import fp8kv
 from reference import (FLOAT32_UNIT_ROUNDOFF, FORMAT_BY_NAME, AttentionReference, Fp8Format, add_output_rounding,
-                       allocate_caches, bits, cache_values, fill_nan, kernel_product_dtype, PagedAttentionInputs,
-                       paged_attention_reference, paged_block_tables, random_kv)
+                       allocate_caches, bits, cache_values, fill_nan, fp8_math_error_bound, kernel_product_dtype,
+                       PagedAttentionInputs, paged_attention_reference, paged_block_tables, random_kv)
 
 # Head sizes with rotation blocks of at least 16 (the CUDA ones first) and their blocks.
 HEAD_SIZES = [64, 80, 96, 128, 192, 256, 48, 112, 512]
@@ -94,7 +94,7 @@ class RotatedInputs(PagedAttentionInputs):
         out = torch.full_like(self.query, math.nan)
         fp8kv.ops.paged_attention(out, self.query, self.key_cache, self.value_cache, self.block_tables,
                                   self.seq_lens, self.cu_seqlens_q, self.softmax_scale, self.k_scale, self.v_scale,
-                                  self.sliding_window, self.logits_soft_cap, True, self.k_offset)
+                                  self.sliding_window, self.logits_soft_cap, True, self.k_offset, self.fp8_math)
         return out
 
     def reference(self) -> AttentionReference:
@@ -105,24 +105,29 @@ class RotatedInputs(PagedAttentionInputs):
         reference = rotated_attention_reference(
             self.query, keys, cache_values(self.value_cache, self.v_scale), self.block_tables, self.seq_lens,
             self.cu_seqlens_q, self.softmax_scale, self.sliding_window, self.logits_soft_cap,
-            kernel_product_dtype(self.key_cache))
+            None if self.fp8_math else kernel_product_dtype(self.key_cache), self.fp8_math)
         return add_output_rounding(reference, self.query.dtype)
 
 
 def rotated_attention_reference(query, key_values, value_values, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
-                                sliding_window=-1, logits_soft_cap=0.0, product_dtype=None) -> AttentionReference:
+                                sliding_window=-1, logits_soft_cap=0.0, product_dtype=None,
+                                fp8_math=False) -> AttentionReference:
     """Attention over a rotated cache and the bound on a correct kernel's error before the output's
     rounding. key_values / value_values: float64 caches of the stored values in the rotated basis (K
     with its offset added back). The query is rotated as the kernel rotates it (its fp32 rotation is
     specified exactly); attention runs in the rotated basis (reference.paged_attention_reference, whose
     bound covers everything from there to the unnormalized output) and is rotated back in float64.
     The bound: the rotated-basis bound spread by H (an output element mixes its block: sum over the
-    block of |error| / sqrt(block)), plus the kernel's fp32 rotation of its output."""
+    block of |error| / sqrt(block)), plus the kernel's fp32 rotation of its output. fp8_math: the FP8
+    math quantizes the rotated query; its bound (reference.fp8_math_error_bound) is added in the rotated
+    basis."""
     rotated_query = rotate_float32(query.cpu()).to(key_values.device)
-    rotated = paged_attention_reference(rotated_query, key_values, value_values, block_tables, seq_lens, cu_seqlens_q,
-                                        softmax_scale, sliding_window, logits_soft_cap, product_dtype)
+    args = (rotated_query, key_values, value_values, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
+            sliding_window, logits_soft_cap)
+    rotated = paged_attention_reference(*args, product_dtype)
+    rotated_bound = rotated.bound + fp8_math_error_bound(*args) if fp8_math else rotated.bound
     h = hadamard_matrix(query.shape[-1]).to(key_values.device)
-    bound = rotated.bound @ h.abs() + rotation_error_bound(rotated.out.abs() + rotated.bound)
+    bound = rotated_bound @ h.abs() + rotation_error_bound(rotated.out.abs() + rotated_bound)
     return AttentionReference(rotated.out @ h, bound)
 
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from reference import (FORMAT_BY_DTYPE, AttentionReference, add_output_rounding, bits, cache_values,
+from reference import (FORMAT_BY_DTYPE, FORMAT_BY_NAME, AttentionReference, add_output_rounding, bits, cache_values,
                        kernel_product_dtype, paged_attention_reference, stored)
+from rotated_reference import rotated_attention_reference, stored_rotated
 
 PAD_SLOT_ID, NULL_BLOCK_ID = -1, 0  # vLLM's padding slot and null block (block 0 is never allocated)
 
@@ -90,10 +91,13 @@ def poison(page: torch.Tensor, fp8: torch.dtype | None) -> None:
 
 class ExpectedPages:
     """The bits one layer's page must hold: poisoned (poison) at first, then each written token's K and
-    V as reference.py's encoder stores them with the given scales (or their own bits, unquantized)."""
+    V as reference.py's encoder stores them with the given scales (or their own bits, unquantized);
+    with `rotated`, as rotated_reference.py's encoder stores them under the rotated recipe, K less
+    `k_offset` [num_kv_heads, head_size] (rotated + centred) where given."""
 
-    def __init__(self, page: torch.Tensor, fp8: torch.dtype | None, dtype: torch.dtype):
-        self.fp8, self.dtype = fp8, dtype
+    def __init__(self, page: torch.Tensor, fp8: torch.dtype | None, dtype: torch.dtype, rotated: bool = False,
+                 k_offset: torch.Tensor | None = None):
+        self.fp8, self.dtype, self.rotated, self.k_offset = fp8, dtype, rotated, k_offset
         self.head_size = page.shape[-1] // 2
         self.format = "none" if fp8 is None else FORMAT_BY_DTYPE[fp8].name
         reference_page = torch.empty(page.shape, dtype=page.dtype)
@@ -106,6 +110,11 @@ class ExpectedPages:
         slots = torch.as_tensor(slots)
         blocks, offsets = slots // block_size, slots % block_size
         d = self.head_size
+        if self.rotated:
+            fmt = FORMAT_BY_NAME[self.format]
+            self.bits[blocks, :, offsets, :d] = stored_rotated(key, k_scale.reshape(-1), fmt, self.k_offset)
+            self.bits[blocks, :, offsets, d:] = stored_rotated(value, v_scale.reshape(-1), fmt, None)
+            return
         self.bits[blocks, :, offsets, :d] = stored(key.cpu(), k_scale.reshape(-1), self.format, self.dtype)
         self.bits[blocks, :, offsets, d:] = stored(value.cpu(), v_scale.reshape(-1), self.format, self.dtype)
 
@@ -123,7 +132,12 @@ class ExpectedPages:
         value_values = cache_values(held[..., d:], v_scale.cpu().reshape(-1))
         cache_like = torch.empty(0, dtype=self.fp8 or self.dtype, device=device)
         n = step.num_reqs
-        reference = paged_attention_reference(
+        attention = paged_attention_reference
+        if self.rotated:
+            attention = rotated_attention_reference
+            if self.k_offset is not None:
+                key_values = key_values + self.k_offset.double().cpu()
+        reference = attention(
             query.cpu(), key_values, value_values, step.block_table[:n], step.seq_lens[:n],
             step.query_start_loc[:n + 1], softmax_scale, sliding_window, logits_soft_cap,
             kernel_product_dtype(cache_like))

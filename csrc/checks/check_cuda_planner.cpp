@@ -1,9 +1,10 @@
 // Host check of the CUDA decode planner (csrc/cuda/heuristics.h), run by scripts/check_cuda_sources.sh;
 // not part of the library. Also which kernel takes a multi-token call, and the decode kernel's items
-// for short ones. The split counts of the benchmark's decode shapes on an H100 (132 SMs),
-// worked out by hand below, and over a sweep of shapes: the count is never below that of the
-// nearest-items rule; where the bytes-in-flight rule raises it the items stay one wave; and a plan
-// with less than kDecodeBytesInFlight in flight could not take one more split.
+// for short ones. The split counts of the benchmark's decode shapes on an H100 (132 SMs; an H200
+// gives the planner the same facts, and its measured best bytes in flight is the same 3 MiB:
+// docs/cuda_decode_design.md), worked out by hand below, and over a sweep of shapes: the count is
+// never below that of the nearest-items rule; where the bytes-in-flight rule raises it the items stay
+// one wave; and a plan with less than kDecodeBytesInFlight in flight could not take one more split.
 #include <string>
 
 #include "../cuda/heuristics.h"
@@ -165,6 +166,18 @@ void check_multi_token_routes() {
          "a named kernel runs");
   expect(attention_kernel(routes[2].call, MultiTokenRequest::kDecode, kH100) == AttentionKernel::kDecode,
          "the decode kernel when named");
+  // fp8_math (paged_attention_unsupported has checked that its kernel runs): the FP8-math kernel wherever
+  // a multi-token kernel runs, the decode kernel's calls unchanged (16-bit math, bound by memory).
+  for (const Route& r : routes) {
+    PagedAttentionParams call = r.call;
+    call.fp8_math = true;
+    const AttentionKernel kernel = attention_kernel(call, MultiTokenRequest::kAuto, kH100);
+    expect(kernel == (r.kernel == AttentionKernel::kDecode ? AttentionKernel::kDecode
+                                                           : AttentionKernel::kMultiTokenSm90aFp8Math),
+           std::string(r.shape) + ", fp8_math: kernel " + std::to_string(static_cast<int>(kernel)));
+    expect(attention_kernel(call, MultiTokenRequest::kSm90a, kH100) == AttentionKernel::kMultiTokenSm90aFp8Math,
+           std::string(r.shape) + ", fp8_math: the sm90a kernel when named");
+  }
 }
 
 }  // namespace

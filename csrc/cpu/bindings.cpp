@@ -21,10 +21,13 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
                          const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
-                         double logits_soft_cap, bool hadamard, const std::optional<at::Tensor>& k_offset) {
+                         double logits_soft_cap, bool hadamard, const std::optional<at::Tensor>& k_offset,
+                         bool fp8_math) {
   const PagedAttentionParams p = paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                         cu_seqlens_q, softmax_scale, k_scale, v_scale, sliding_window,
-                                                        logits_soft_cap, hadamard, k_offset);
+                                                        logits_soft_cap, hadamard, k_offset, fp8_math);
+  TORCH_CHECK(!fp8_math, "fp8kv.paged_attention: `fp8_math` needs the CUDA kernels on a compute capability ",
+              kCudaSm90aCapability[0], ".", kCudaSm90aCapability[1], " GPU; the CPU kernels compute in fp32");
   check_paged_attention_indices(block_tables, seq_lens, cu_seqlens_q, query.size(0), key_cache.size(1),
                                 key_cache.size(0), sliding_window);
   cpu::paged_attention(p);

@@ -10,6 +10,7 @@ enum class AttentionKernel {
   kDecode,           // decode, and short multi-token queries (decode.cuh)
   kMultiTokenSm80,   // mma.sync, every GPU (multi_token_sm80.cuh)
   kMultiTokenSm90a,  // warp-specialized with warpgroup MMAs, Hopper (multi_token_sm90a.cuh)
+  kMultiTokenSm90aFp8Math,  // its FP8-math variant (the call's `fp8_math`)
 };
 
 struct AttentionPlan {

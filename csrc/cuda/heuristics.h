@@ -49,6 +49,12 @@ inline bool sm90a_kernel_runs(int head_size, const DeviceFacts& device) {
 #endif
 }
 
+// The sm_90a kernel's FP8-math variant runs p on the device.
+inline bool sm90a_fp8_math_runs(const PagedAttentionParams& p, const DeviceFacts& device) {
+  return sm90a_kernel_runs(p.head_size, device) && contains(kCudaSm90aFp8MathHeadSizes, p.head_size) &&
+         contains(kCudaFp8MathDTypes, p.cache_dtype);
+}
+
 // Short queries (verification, decode rows in a batch): the average sequence's query rows fit one warp.
 inline bool short_queries(const PagedAttentionParams& p) {
   const int group = p.num_heads / p.num_kv_heads;
@@ -65,23 +71,32 @@ inline bool decode_takes_queries(const PagedAttentionParams& p) {
   return p.num_seqs <= decode::kMaxTableSeqs && p.num_query_tokens * p.num_heads <= INT32_MAX;
 }
 
+// The multi-token kernel that runs p where the decode kernel does not: the sm_90a kernel in p's math
+// where it runs (with fp8_math it does: paged_attention_unsupported checked), else the sm80 kernel.
+inline AttentionKernel multi_token_kernel(const PagedAttentionParams& p, const DeviceFacts& device) {
+  if (p.fp8_math) return AttentionKernel::kMultiTokenSm90aFp8Math;
+  return sm90a_kernel_runs(p.head_size, device) ? AttentionKernel::kMultiTokenSm90a : AttentionKernel::kMultiTokenSm80;
+}
+
 // The kernel for p. `request` has been checked (paged_attention_unsupported): a kernel it names runs
 // p. Short queries (verification, decode-heavy batches) are bound by memory: they go to the decode
 // kernel, whose items then take all of a sequence's draft rows (up to 16 at head size <= 128), so each
-// page is streamed once at the decode kernel's bandwidth (docs/cuda_prefill_design.md).
+// page is streamed once at the decode kernel's bandwidth (docs/cuda_prefill_design.md); it keeps
+// 16-bit math, fp8_math or not (FP8 math would cost accuracy and save no time there).
 inline AttentionKernel attention_kernel(const PagedAttentionParams& p, MultiTokenRequest request,
                                         const DeviceFacts& device) {
   if (p.cu_seqlens_q == nullptr) return AttentionKernel::kDecode;
   switch (request) {
     case MultiTokenRequest::kSm80: return AttentionKernel::kMultiTokenSm80;
-    case MultiTokenRequest::kSm90a: return AttentionKernel::kMultiTokenSm90a;
+    case MultiTokenRequest::kSm90a:
+      return p.fp8_math ? AttentionKernel::kMultiTokenSm90aFp8Math : AttentionKernel::kMultiTokenSm90a;
     case MultiTokenRequest::kDecode: return AttentionKernel::kDecode;
     default:
-      // Short queries of more sequences than the decode kernel takes: the sm80 kernel, which shares
-      // their few rows among its warps.
-      if (short_queries(p)) return decode_takes_queries(p) ? AttentionKernel::kDecode : AttentionKernel::kMultiTokenSm80;
-      return sm90a_kernel_runs(p.head_size, device) ? AttentionKernel::kMultiTokenSm90a
-                                                    : AttentionKernel::kMultiTokenSm80;
+      // Short queries of more sequences than the decode kernel takes: a multi-token kernel (the sm80
+      // one shares their few rows among its warps).
+      if (short_queries(p) && decode_takes_queries(p)) return AttentionKernel::kDecode;
+      if (short_queries(p) && !p.fp8_math) return AttentionKernel::kMultiTokenSm80;
+      return multi_token_kernel(p, device);
   }
 }
 
@@ -162,7 +177,8 @@ inline int64_t decode_row_chunk_bound(const PagedAttentionParams& p) {
 // bandwidth only with about kDecodeBytesInFlight in flight in all (the bandwidth times a loaded
 // round trip of about a microsecond). SmolLM2-135M at B64 (3 KV heads of head size 64) kept 1.5 MiB
 // in flight with FP8 rows and read at 67% of the bandwidth, 3 MiB with bf16 rows and read at 86%
-// (perf_notes.md, section 10).
+// (perf_notes.md, section 10). On an H200 (1.4x the bandwidth, the same SMs) 3 MiB was again the
+// fastest of 1.5 to 12 MiB on every decode shape, or within 0.5% of it (docs/benchmarks_h200.md).
 inline constexpr int64_t kDecodeBytesInFlight = int64_t{3} << 20;
 
 inline int64_t decode_cta_bytes_in_flight(const PagedAttentionParams& p) {
@@ -215,9 +231,9 @@ struct MultiTokenGrid {
 };
 
 inline MultiTokenGrid multi_token_grid(const PagedAttentionParams& p, AttentionKernel kernel) {
-  const multi_token::RowMap map = multi_token::RowMap::make(
-      p.num_heads / p.num_kv_heads,
-      kernel == AttentionKernel::kMultiTokenSm90a ? multi_token::sm90a::kRows : multi_token::sm80::kRows);
+  const bool sm90a = kernel == AttentionKernel::kMultiTokenSm90a || kernel == AttentionKernel::kMultiTokenSm90aFp8Math;
+  const multi_token::RowMap map =
+      multi_token::RowMap::make(p.num_heads / p.num_kv_heads, sm90a ? multi_token::sm90a::kRows : multi_token::sm80::kRows);
   const int64_t packed_tiles = (p.num_query_tokens + map.tokens_per_tile - 1) / map.tokens_per_tile;
   return {packed_tiles + p.num_seqs, std::max<int64_t>(packed_tiles, p.num_seqs) * map.head_chunks * p.num_kv_heads};
 }

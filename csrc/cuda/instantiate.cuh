@@ -16,5 +16,5 @@
   template int multi_token::sm80::occupancy<CACHE>(int, bool);                                                    \
   template cudaError_t multi_token::sm90a::launch<CACHE>(const PagedAttentionParams&, const AttentionPlan&,       \
                                                          const SplitWorkspace&, cudaStream_t);                    \
-  template int multi_token::sm90a::occupancy<CACHE>(int);                                                         \
+  template int multi_token::sm90a::occupancy<CACHE>(int, bool);                                                         \
   }

@@ -52,7 +52,7 @@ template <DType C>
 cudaError_t launch(const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
                    cudaStream_t stream);
 template <DType C>
-int occupancy(int head_size);
+int occupancy(int head_size, bool fp8_math);
 }  // namespace multi_token::sm90a
 
 }  // namespace fp8kv::cuda

@@ -115,14 +115,14 @@ __device__ __forceinline__ bool cta_work(const PagedAttentionParams& p, int spli
   return true;
 }
 
-// Issues the cp.async copies of the K and V rows of tile [tile_start, tile_start + kKeys) into a
-// stage, by threads 0 .. kThreads - 1: 16-byte copy `chunk` of key row `key` lands at
-// stage + dst(key, chunk), its V row's at value_offset past it. Positions outside [w.lo, w.hi) and
-// pages outside [0, num_blocks) are zero-filled, never read.
-template <DType C, int D, int kKeys, int kThreads, typename Dst>
+// Issues the cp.async copies of the K and V rows of tile [tile_start, tile_start + kKeys) into shared
+// memory, by threads 0 .. kThreads - 1: 16-byte copy `chunk` of key row `key` lands at
+// stage + dst(key, chunk), its V row's at value_dst(that address, key, chunk). Positions outside
+// [w.lo, w.hi) and pages outside [0, num_blocks) are zero-filled, never read.
+template <DType C, int D, int kKeys, int kThreads, typename Dst, typename ValueDst>
 __device__ __forceinline__ void copy_tile_rows(const PagedAttentionParams& p, const CtaWork& w,
                                                const int32_t* table_row, int tile_start, uint8_t* stage, Dst&& dst,
-                                               int value_offset) {
+                                               ValueDst&& value_dst) {
   constexpr int kElemBytes = CacheTraits<C>::kElemBytes;
   constexpr int kCopyChunks = D * kElemBytes / 16;  // 16-byte copies per cache row
   const int block_shift = __ffs(p.block_size) - 1;
@@ -148,7 +148,7 @@ __device__ __forceinline__ void copy_tile_rows(const PagedAttentionParams& p, co
                                              in_page * p.value_cache.token_stride) * kElemBytes + chunk * 16;
     const int key_dst = dst(key, chunk);
     copy_async<16>(stage + key_dst, key_src, valid);
-    copy_async<16>(stage + key_dst + value_offset, value_src, valid);
+    copy_async<16>(value_dst(stage + key_dst, key, chunk), value_src, valid);
   }
 }
 
@@ -160,11 +160,15 @@ template <DType C, int D, int kKeys, int kThreads, typename OperandOffset>
 __device__ __forceinline__ void stage_tile(const PagedAttentionParams& p, const CtaWork& w, const int32_t* table_row,
                                            int tile_start, uint8_t* stage, OperandOffset&& operand_offset,
                                            int operand_bytes) {
+  // A V row lands `value_offset` bytes after its K row.
+  auto after = [](int value_offset) {
+    return [value_offset](uint8_t* key_dst, int /*key*/, int /*chunk*/) { return key_dst + value_offset; };
+  };
   if constexpr (CacheTraits<C>::kIsFp8) {
     copy_tile_rows<C, D, kKeys, kThreads>(
-        p, w, table_row, tile_start, stage, [](int key, int chunk) { return key * D + chunk * 16; }, kKeys * D);
+        p, w, table_row, tile_start, stage, [](int key, int chunk) { return key * D + chunk * 16; }, after(kKeys * D));
   } else {
-    copy_tile_rows<C, D, kKeys, kThreads>(p, w, table_row, tile_start, stage, operand_offset, operand_bytes);
+    copy_tile_rows<C, D, kKeys, kThreads>(p, w, table_row, tile_start, stage, operand_offset, after(operand_bytes));
   }
 }
 
@@ -173,29 +177,26 @@ __device__ __forceinline__ void stage_tile(const PagedAttentionParams& p, const 
 template <int D>
 using WarpState = OnlineSoftmax<D / 8>;
 
-// One tile's online-softmax step for the lane's two rows: S (the mma accumulators of Q K^T for keys
-// tile_start .. tile_start + 8 kKeyTiles - 1) is scaled, soft-capped and masked to each row's visible
-// keys (unless `interior`), the running max and sum move (lazily, see OnlineSoftmax), and P leaves as
-// the A fragments of O += P V (keys 16kk .. 16kk + 15). O itself is left to the caller
-// (rescale_output with `rescale`), which may still have an MMA writing it.
-template <bool kBf16, int D, int kKeyTiles>
-__device__ __forceinline__ void softmax_step(float (&s)[kKeyTiles][4], WarpState<D>& st, const LaneQueryRows& rows,
-                                             int tile_start, bool interior, float logit_multiplier, float soft_cap,
-                                             uint32_t (&p_frag)[kKeyTiles / 2][4], float (&rescale)[2]) {
+// A tile's logits for the lane's two rows, in place: S (the mma accumulators of Q K^T for keys
+// tile_start .. tile_start + 8 kKeyTiles - 1) times row r's multiplier(r), soft-capped and masked to
+// each row's visible keys (unless `interior`). s[j][i]: row g + 8 * (i / 2), key tile_start + 8j +
+// 2t + i % 2. The branches are around whole loops: a branch per element keeps the compiler from
+// interleaving the elements' arithmetic.
+template <int kKeyTiles, typename RowMultiplier>
+__device__ __forceinline__ void scale_and_mask(float (&s)[kKeyTiles][4], const LaneQueryRows& rows, int tile_start,
+                                               bool interior, RowMultiplier&& multiplier, float soft_cap) {
   const int t = threadIdx.x % 4;
-  // s[j][i]: row g + 8 * (i / 2), key tile_start + 8j + 2t + i % 2. The branches are around whole
-  // loops: a branch per element keeps the compiler from interleaving the elements' arithmetic.
   if (soft_cap > 0.f) {
 #pragma unroll
     for (int j = 0; j < kKeyTiles; ++j) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[j][i] = soft_capped(s[j][i] * logit_multiplier, soft_cap, rows.logit_offset[i / 2]);
+      for (int i = 0; i < 4; ++i) s[j][i] = soft_capped(s[j][i] * multiplier(i / 2), soft_cap, rows.logit_offset[i / 2]);
     }
   } else {
 #pragma unroll
     for (int j = 0; j < kKeyTiles; ++j) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) s[j][i] *= logit_multiplier;
+      for (int i = 0; i < 4; ++i) s[j][i] *= multiplier(i / 2);
     }
   }
   if (!interior) {
@@ -208,6 +209,14 @@ __device__ __forceinline__ void softmax_step(float (&s)[kKeyTiles][4], WarpState
       }
     }
   }
+}
+
+// The online-softmax step on a tile's logits (scale_and_mask): each row's running max moves once the
+// tile's exceeds it by more than `slack` (lazy, see OnlineSoftmax; `rescale` gets the factors O must
+// take), and the logits become probabilities 2^(logit - max + shift), added to the row's sum.
+template <int kKeyTiles, int kTiles>
+__device__ __forceinline__ void exponentiate(float (&s)[kKeyTiles][4], OnlineSoftmax<kTiles>& st, float slack,
+                                             float shift, float (&rescale)[2]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float tile_max = -INFINITY;
@@ -216,9 +225,9 @@ __device__ __forceinline__ void softmax_step(float (&s)[kKeyTiles][4], WarpState
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
     rescale[h] = 1.f;
-    if (tile_max > st.rescale_threshold(h)) st.move_max(h, tile_max, rescale[h]);
+    if (tile_max > st.row_max[h] + slack) st.move_max(h, tile_max, rescale[h]);
     // A row with no visible key so far keeps row_max = -inf: its probabilities are exp2(-inf) = 0.
-    const float reference = st.row_max[h] == -INFINITY ? 0.f : st.row_max[h];
+    const float reference = st.row_max[h] == -INFINITY ? 0.f : st.row_max[h] - shift;
 #pragma unroll
     for (int j = 0; j < kKeyTiles; ++j) {
       s[j][2 * h] = fast_exp2(s[j][2 * h] - reference);
@@ -226,7 +235,18 @@ __device__ __forceinline__ void softmax_step(float (&s)[kKeyTiles][4], WarpState
       st.row_sum[h] += s[j][2 * h] + s[j][2 * h + 1];
     }
   }
+}
 
+// One tile's online-softmax step for the lane's two rows in 16-bit math: the logits (scale_and_mask
+// with one multiplier), the probabilities (exponentiate, lazy rescale by kRescaleSlack), and P as the
+// A fragments of O += P V (keys 16kk .. 16kk + 15). O itself is left to the caller (rescale_output
+// with `rescale`), which may still have an MMA writing it.
+template <bool kBf16, int D, int kKeyTiles>
+__device__ __forceinline__ void softmax_step(float (&s)[kKeyTiles][4], WarpState<D>& st, const LaneQueryRows& rows,
+                                             int tile_start, bool interior, float logit_multiplier, float soft_cap,
+                                             uint32_t (&p_frag)[kKeyTiles / 2][4], float (&rescale)[2]) {
+  scale_and_mask(s, rows, tile_start, interior, [&](int) { return logit_multiplier; }, soft_cap);
+  exponentiate(s, st, kRescaleSlack, 0.f, rescale);
 #pragma unroll
   for (int kk = 0; kk < kKeyTiles / 2; ++kk) {
     p_frag[kk][0] = pack_pair<kBf16>(s[2 * kk][0], s[2 * kk][1]);

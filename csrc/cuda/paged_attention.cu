@@ -59,8 +59,11 @@ cudaError_t plan_multi_token(const PagedAttentionParams& p, const DeviceFacts& d
   plan.deep_staging = deep_staging(p);
   const int resident = dispatch<kAttentionCacheDTypes>(p.cache_dtype, 0, [&](auto cache) {
     constexpr DType kCache = decltype(cache)::value;
-    if (plan.kernel == AttentionKernel::kMultiTokenSm90a) return multi_token::sm90a::occupancy<kCache>(p.head_size);
-    return multi_token::sm80::occupancy<kCache>(p.head_size, plan.deep_staging);
+    switch (plan.kernel) {
+      case AttentionKernel::kMultiTokenSm90a: return multi_token::sm90a::occupancy<kCache>(p.head_size, false);
+      case AttentionKernel::kMultiTokenSm90aFp8Math: return multi_token::sm90a::occupancy<kCache>(p.head_size, true);
+      default: return multi_token::sm80::occupancy<kCache>(p.head_size, plan.deep_staging);
+    }
   });
   if (resident <= 0) return cudaErrorInvalidConfiguration;
   const MultiTokenGrid grid = multi_token_grid(p, plan.kernel);
@@ -143,11 +146,24 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
              std::to_string(decode::kMaxTableSeqs) + " sequences and num_query_tokens * num_heads below 2^31, got " +
              std::to_string(p.num_seqs) + " sequences and " + std::to_string(p.num_query_tokens * p.num_heads);
     }
+    if (p.fp8_math && (request == MultiTokenRequest::kSm80 || request == MultiTokenRequest::kDecode)) {
+      return std::string(kMultiTokenKernelVariable) + "=" + requested_multi_token_kernel() +
+             " names a kernel without FP8 math: unset it (or name sm90a) to run `fp8_math`";
+    }
     DeviceFacts device{};
     if (request == MultiTokenRequest::kSm90a && !(current_device(&device) && sm90a_kernel_runs(p.head_size, device))) {
       return std::string(kMultiTokenKernelVariable) + "=sm90a needs fp8kv built with sm_90a code, a compute "
              "capability " + std::to_string(kCudaSm90aCapability[0]) + "." + std::to_string(kCudaSm90aCapability[1]) +
              " device and head_size one of " + format_list(kCudaSm90aHeadSizes) + " (got " +
+             std::to_string(p.head_size) + ")";
+    }
+  }
+  if (p.fp8_math) {
+    DeviceFacts device{};
+    if (!(current_device(&device) && sm90a_fp8_math_runs(p, device))) {
+      return "`fp8_math` needs fp8kv built with sm_90a code, a compute capability " +
+             std::to_string(kCudaSm90aCapability[0]) + "." + std::to_string(kCudaSm90aCapability[1]) +
+             " device and head_size one of " + format_list(kCudaSm90aFp8MathHeadSizes) + " (got " +
              std::to_string(p.head_size) + ")";
     }
   }
@@ -167,9 +183,9 @@ cudaError_t plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* p
   if (status == cudaErrorInvalidConfiguration && plan->kernel == AttentionKernel::kDecode &&
       p.cu_seqlens_q != nullptr && request == MultiTokenRequest::kAuto) {
     // Short queries the decode kernel cannot take on this device (its staging does not fit the shared
-    // memory, as at head size 192 with 16-bit caches on GPUs of 99 KiB per CTA): the sm80 kernel.
+    // memory, as at head size 192 with 16-bit caches on GPUs of 99 KiB per CTA): a multi-token kernel.
     *plan = AttentionPlan{};
-    plan->kernel = AttentionKernel::kMultiTokenSm80;
+    plan->kernel = p.fp8_math ? AttentionKernel::kMultiTokenSm90aFp8Math : AttentionKernel::kMultiTokenSm80;
     status = plan_multi_token(p, device, *plan);
   }
   plan->workspace_bytes = partials_bytes(p, *plan) + (plan->kernel == AttentionKernel::kDecode ? sizeof(int) : 0);
@@ -193,7 +209,8 @@ cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionPlan& 
     switch (plan.kernel) {
       case AttentionKernel::kDecode: return decode::launch<kCache>(p, plan, ws, taken, stream);
       case AttentionKernel::kMultiTokenSm80: return multi_token::sm80::launch<kCache>(p, plan, ws, stream);
-      case AttentionKernel::kMultiTokenSm90a: return multi_token::sm90a::launch<kCache>(p, plan, ws, stream);
+      case AttentionKernel::kMultiTokenSm90a:
+      case AttentionKernel::kMultiTokenSm90aFp8Math: return multi_token::sm90a::launch<kCache>(p, plan, ws, stream);
     }
     return cudaErrorInvalidValue;
   });

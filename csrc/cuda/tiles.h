@@ -130,6 +130,21 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kConsumers = 2;  // two consumer warpgroups: one's softmax overlaps the other's MMAs
 constexpr int kThreads = (1 + kConsumers) * kWarpgroupThreads;
 constexpr int kRows = 64 * kConsumers;  // the warpgroup MMA's M per consumer
+
+// Its FP8-math variant (the query and P quantized to e4m3, FP8 warpgroup MMAs with fp32 accumulators).
+namespace fp8_math {
+inline constexpr float kE4m3Max = 448.0f;  // a query row's largest magnitude is quantized to this
+// P is quantized as 2^(logit - max + kProbabilityShift): at most 2^8 = 256 (below e4m3's 448), and
+// probabilities down to 2^-14 of the row's max stay normal e4m3 numbers (2^-17 as subnormals).
+inline constexpr float kProbabilityShift = 8.0f;
+// The shift takes the headroom the lazy rescale would need: a row's max moves as soon as a tile
+// exceeds it.
+inline constexpr float kRescaleSlack = 0.0f;
+// Two-level accumulation: the FP8 MMAs' accumulator keeps about 13 mantissa bits when it adds, so O
+// accumulated there over a long row would lose its small terms (and be biased low). P V of
+// kPromoteTiles tiles (128 keys, 4 MMA k-steps) is summed there, then added to O in fp32.
+inline constexpr int kPromoteTiles = 2;
+}  // namespace fp8_math
 }  // namespace sm90a
 }  // namespace multi_token
 

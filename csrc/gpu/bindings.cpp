@@ -41,11 +41,12 @@ void paged_attention_gpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
                          const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
-                         double logits_soft_cap, bool hadamard, const std::optional<at::Tensor>& k_offset) {
+                         double logits_soft_cap, bool hadamard, const std::optional<at::Tensor>& k_offset,
+                         bool fp8_math) {
   constexpr const char* op = "fp8kv.paged_attention";
   const PagedAttentionParams p = paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
                                                         cu_seqlens_q, softmax_scale, k_scale, v_scale, sliding_window,
-                                                        logits_soft_cap, hadamard, k_offset);
+                                                        logits_soft_cap, hadamard, k_offset, fp8_math);
   const std::string unsupported = gpu::paged_attention_unsupported(p);
   TORCH_CHECK(unsupported.empty(), op, ": on ", gpu::kBackend, ", ", unsupported);
   if (debug_checks_enabled()) {

@@ -459,6 +459,7 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
   if (p.num_heads > kMaxGridY || static_cast<int64_t>(p.num_kv_heads) * head_tiles(p) > kMaxGridY) {
     return "too many heads for one grid (at most 65535 query heads)";
   }
+  if (p.fp8_math) return "`fp8_math` needs the CUDA kernels on a compute capability 9.0 GPU";
   const char* kernel = requested_multi_token_kernel();
   if (p.cu_seqlens_q != nullptr && kernel != nullptr) {
     return std::string("environment variable ") + kMultiTokenKernelVariable + " must be unset, empty or \"auto\" " +

@@ -54,7 +54,7 @@ def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, k_
 @torch.library.register_fake("fp8kv::paged_attention")
 def _paged_attention_fake(
     out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
-    k_scale, v_scale, sliding_window=-1, logits_soft_cap=0.0, hadamard=False, k_offset=None,
+    k_scale, v_scale, sliding_window=-1, logits_soft_cap=0.0, hadamard=False, k_offset=None, fp8_math=False,
 ) -> None:
     _check_one_device("fp8kv.paged_attention", query=query, out=out, key_cache=key_cache, value_cache=value_cache,
                       block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, k_scale=k_scale,
@@ -80,7 +80,8 @@ def _check_paged_attention_indices_fake(block_tables, seq_lens, cu_seqlens_q, nu
 def supported_values(name: str) -> tuple[int, ...]:
     """One of the kernels' lists of supported values, as the library holds them (csrc/dispatch.h):
     "cuda_head_sizes", "cuda_block_sizes", "cuda_sm90a_head_sizes" (the warpgroup-MMA multi-token
-    kernel's), "cuda_sm90a_capability" (the compute capability that kernel runs on) or
+    kernel's), "cuda_sm90a_fp8_math_head_sizes" (its FP8-math variant's, `fp8_math`),
+    "cuda_sm90a_capability" (the compute capability that kernel runs on) or
     "cuda_decode_table_seqs" (the most sequences of a multi-token call the decode kernel takes)."""
     return tuple(torch.ops.fp8kv.supported_values(name))
 

@@ -41,6 +41,9 @@ class PagedAttention(nn.Module):
         loading converts them, e.g. x2 for an e4m3fnuz cache); tp_rank, tp_size: how the
         checkpoint's per-head scales are sliced (KV heads split evenly, or replicated when fewer
         than ranks).
+    fp8_math: multi-token queries (prefill, chunked prefill) in FP8 tensor-core math: an e4m3fn or
+        e5m2 cache, and on CUDA a compute capability 9.0 GPU (fp8kv.ops.paged_attention's `fp8_math`
+        says what it computes; other devices refuse the call).
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class PagedAttention(nn.Module):
         tp_rank: int = 0,
         tp_size: int = 1,
         rotation: Rotation | str | None = None,
+        fp8_math: bool = False,
     ):
         super().__init__()
         if num_heads % num_kv_heads != 0:
@@ -82,6 +86,8 @@ class PagedAttention(nn.Module):
             k_scale = v_scale = (1.0,)
         if self.rotation is Rotation.HADAMARD:
             check_head_size(head_size)
+        check_fp8_math(fp8_math, self.kv_cache_dtype)
+        self.fp8_math = fp8_math
         if k_offset is not None and tuple(k_offset.shape) != (num_kv_heads, head_size):
             raise ValueError(f"the KVCacheConfig's k_offsets[{layer_idx}] has shape {list(k_offset.shape)}; expected "
                              f"[num_kv_heads, head_size] = [{num_kv_heads}, {head_size}]")
@@ -154,7 +160,7 @@ class PagedAttention(nn.Module):
         out = torch.empty_like(query)
         ops.paged_attention(out, query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
                             batch.cu_seqlens_q, self.softmax_scale, k_scale, v_scale,
-                            self.sliding_window, self.logits_soft_cap, hadamard, k_offset)
+                            self.sliding_window, self.logits_soft_cap, hadamard, k_offset, self.fp8_math)
         return out
 
     @property
@@ -164,7 +170,20 @@ class PagedAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_size={self.head_size}, kv_cache={self.kv_cache_dtype.value}, recipe={self.recipe}")
+                f"head_size={self.head_size}, kv_cache={self.kv_cache_dtype.value}, recipe={self.recipe}"
+                + (", fp8_math=True" if self.fp8_math else ""))
+
+
+FP8_MATH_FORMATS = (KVCacheDtype.E4M3FN, KVCacheDtype.E5M2)
+
+
+def check_fp8_math(fp8_math: bool, kv_cache_dtype: KVCacheDtype) -> None:
+    """Refuses fp8_math where the format has no FP8 math (a bool, an e4m3fn or e5m2 cache)."""
+    if not isinstance(fp8_math, bool):
+        raise TypeError(f"fp8_math must be True or False, got {fp8_math!r}")
+    if fp8_math and kv_cache_dtype not in FP8_MATH_FORMATS:
+        raise ValueError(f"fp8_math needs a {FP8_MATH_FORMATS[0].value} or {FP8_MATH_FORMATS[1].value} cache, "
+                         f"got {kv_cache_dtype.value}")
 
 
 # Checkpoint names one level up (at the attention module P), relative to P: target buffer name.
@@ -211,11 +230,13 @@ def _parent_renamer(child_name: str):
 class LayerAttentions:
     """The PagedAttention of each layer of a model whose attention calls fp8kv's, built at the
     layer's first call with the parameters the model gives (heads, head size, scaling, window, soft
-    cap) and the recipe and scales of `kv_cache`, on `device`; a later call with other parameters is
-    an error. Their buffers never change address, so torch.compile may treat them as static."""
+    cap), the recipe and scales of `kv_cache` and `fp8_math`, on `device`; a later call with other
+    parameters is an error. Their buffers never change address, so torch.compile may treat them as
+    static."""
 
-    def __init__(self, kv_cache: KVCacheConfig, device: torch.device):
-        self.kv_cache, self.device = kv_cache, device
+    def __init__(self, kv_cache: KVCacheConfig, device: torch.device, fp8_math: bool = False):
+        check_fp8_math(fp8_math, kv_cache.dtype)
+        self.kv_cache, self.device, self.fp8_math = kv_cache, device, fp8_math
         self._modules: list[PagedAttention | None] = [None] * kv_cache.num_layers
 
     def get(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_size: int, scaling: float | None,
@@ -225,7 +246,8 @@ class LayerAttentions:
         module = self._modules[layer_idx]
         if module is None:
             module = PagedAttention(num_heads, num_kv_heads, head_size, self.kv_cache, layer_idx,
-                                    softmax_scale=scaling, sliding_window=window, logits_soft_cap=cap).to(self.device)
+                                    softmax_scale=scaling, sliding_window=window, logits_soft_cap=cap,
+                                    fp8_math=self.fp8_math).to(self.device)
             mark_static(*(buffer for buffer in (module.k_scale, module.v_scale, module.k_offset) if buffer is not None))
             self._modules[layer_idx] = module
         elif (module.num_heads, module.softmax_scale, module.sliding_window, module.logits_soft_cap) != (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import math
+import reprlib
 from dataclasses import dataclass
 
 import torch
@@ -147,11 +148,35 @@ def format_names(accepted=lambda fmt: True) -> str:
     return ", ".join(groups)
 
 
+_SCALES = "one float or num_kv_heads floats per layer, e.g. [(0.02,)] * num_layers"
+
+
+def _layers(name: str, layers, expected: str) -> list:
+    """`layers` as a list of per-layer entries; TypeError naming the argument for anything but a sequence
+    (a float, a string or a mapping is no list of layers)."""
+    if isinstance(layers, (str, bytes, dict)) or not hasattr(layers, "__iter__"):
+        raise TypeError(f"KVCacheConfig: {name} must be a sequence with {expected}, got {type(layers).__name__} "
+                        f"{reprlib.repr(layers)}")
+    return list(layers)
+
+
+def _float32_tensor(name: str, value, expected: str) -> torch.Tensor:
+    try:
+        return torch.as_tensor(value, dtype=torch.float32)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"KVCacheConfig: {name} must be {expected}, got {type(value).__name__} "
+                        f"{reprlib.repr(value)}") from None
+
+
 def _float32_scales(name: str, layers) -> tuple[tuple[float, ...], ...]:
     """Per-layer scales as tuples of float32-exact Python floats, checked finite and positive."""
     result = []
-    for layer, scales in enumerate(layers):
-        values = torch.as_tensor(scales, dtype=torch.float32).reshape(-1).tolist()
+    for layer, scales in enumerate(_layers(name, layers, _SCALES)):
+        values = _float32_tensor(f"{name}[{layer}]", scales, "a float or a sequence of floats")
+        if values.dim() > 1:
+            raise ValueError(f"KVCacheConfig: {name}[{layer}] has shape {list(values.shape)}; expected 1 or "
+                             "num_kv_heads scales")
+        values = values.reshape(-1).tolist()
         if not values:
             raise ValueError(f"KVCacheConfig: {name}[{layer}] is empty; expected 1 or num_kv_heads scales")
         for head, s in enumerate(values):
@@ -164,8 +189,8 @@ def _float32_scales(name: str, layers) -> tuple[tuple[float, ...], ...]:
 def _float32_offsets(layers, num_layers: int) -> tuple[tuple[tuple[float, ...], ...], ...]:
     """Per-layer K offsets [num_kv_heads][head_size] as float32-exact Python floats, checked finite."""
     result = []
-    for layer, offsets in enumerate(layers):
-        values = torch.as_tensor(offsets, dtype=torch.float32)
+    for layer, offsets in enumerate(_layers("k_offsets", layers, "[num_kv_heads][head_size] floats per layer")):
+        values = _float32_tensor(f"k_offsets[{layer}]", offsets, "[num_kv_heads][head_size] floats")
         if values.dim() != 2 or values.numel() == 0:
             raise ValueError(f"KVCacheConfig: k_offsets[{layer}] must be [num_kv_heads, head_size], got shape "
                              f"{list(values.shape)}")

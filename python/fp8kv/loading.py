@@ -5,7 +5,8 @@ weights it cannot load (another shape than the config's, a failed conversion) st
 RuntimeError that refers to that report. Calibrating or evaluating a model with random weights
 measures nothing, so here every weight of the model comes from the checkpoint with the shape its
 config gives, or loading fails with a `WeightsMismatchError` naming the directory and the tensors
-(or, for transformers' own refusals, carrying its report). Tensors the model does not use (such as
+(or, for transformers' own refusals, carrying its report); damaged weight files are a
+`CheckpointError` naming the file. Tensors the model does not use (such as
 KV cache scales) are fine.
 
 A checkpoint that declares only KV cache scales (a compressed-tensors kv_cache_scheme without quantized
@@ -32,9 +33,15 @@ class WeightsMismatchError(ValueError):
 
 def load_causal_lm(model_dir: str | os.PathLike, dtype: torch.dtype | str, *, progress: bool = True):
     """`AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)`, refusing missing weights and
-    weights of the wrong shape. progress: transformers' loading bar."""
+    weights of the wrong shape. progress: transformers' loading bar.
+
+    A truncated or corrupt safetensors file, or a missing shard of the index, is a CheckpointError
+    naming the file, raised before transformers reads any weight (its own errors name no file)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .checkpoint.tensor_files import check_tensor_files
+
+    check_tensor_files(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     if _declares_only_kv_cache_scales(config):
         del config.quantization_config

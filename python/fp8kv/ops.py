@@ -95,6 +95,7 @@ def paged_attention(
     logits_soft_cap: float = 0.0,
     hadamard: bool = False,
     k_offset: torch.Tensor | None = None,
+    fp8_math: bool = False,
 ) -> None:
     """Attention of `query` over the paged cache, written into `out`.
 
@@ -109,6 +110,13 @@ def paged_attention(
     sliding_window: -1, or w > 0: a query at position p sees positions > p - w.
     logits_soft_cap: 0, or c > 0: logits become c * tanh(logits / c).
     hadamard, k_offset: the recipe the cache was written with (see reshape_and_cache).
+    fp8_math: multi-token queries in FP8 tensor-core math: each query row quantized to e4m3 (its
+        largest magnitude to 448), S = Q K^T and O += P V as FP8 MMAs with P quantized to e4m3, O
+        accumulated in fp32 every 128 keys. Needs an e4m3fn or e5m2 cache and the CUDA kernels on a
+        compute capability 9.0 GPU (head sizes supported_values("cuda_sm90a_fp8_math_head_sizes"));
+        refused elsewhere. Calls the decode kernel takes (decode, and short queries: at most 16 query
+        rows per sequence and KV head on average) keep 16-bit math: they are bound by memory.
+        docs/ops.md gives its accuracy and speed.
     A decode row whose sequence has seq_len 0 (batch padding) gets zeros.
     """
     _check_tensors("paged_attention", out=out, query=query, key_cache=key_cache, value_cache=value_cache,
@@ -116,7 +124,7 @@ def paged_attention(
                    v_scale=v_scale, k_offset=k_offset)
     torch.ops.fp8kv.paged_attention(
         out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
-        k_scale, v_scale, sliding_window, logits_soft_cap, hadamard, k_offset,
+        k_scale, v_scale, sliding_window, logits_soft_cap, hadamard, k_offset, fp8_math,
     )
 
 

@@ -33,6 +33,13 @@ case "$*" in
   "-m venv "*) mkdir -p .venv/bin && cp "$0" .venv/bin/python ;;
   *"torch==2.13.0+cpu"*)
     case "$*" in *--index-url*) ;; *) [ -n "$FAKE_NO_LOCAL_CPU_TORCH" ] && exit 1 ;; esac ;;
+  *"--no-build-isolation"*)  # fp8kv's install, as pip -v shows it: its own lines, the backend's indented
+    printf '%s\n' "Looking in indexes: https://pypi.org/simple" "Collecting transformers>=5.17" \
+      "  Running command Building wheel for fp8kv (pyproject.toml)" "  *** Configuring CMake..." \
+      "  -- Detecting CXX compiler ABI info" "  -- fp8kv: CPU-only build" "  *** Building project with Ninja..." \
+      "  [1/10 14.986s] Building CXX object CMakeFiles/fp8kv_ops.dir/csrc/cpu/kv_amax.cpp.o"
+    [ -n "$FAKE_BUILD_FAILS" ] && { echo "  csrc/ops.cpp:1:1: error: expected declaration"; exit 7; }
+    echo "Installing collected packages: fp8kv" ;;
 esac
 exit 0
 """
@@ -70,8 +77,23 @@ def test_a_fresh_machine_without_a_gpu_gets_a_virtual_environment_and_the_cpu_to
     assert torch_installs(commands) == ["python -m pip install -q --disable-pip-version-check torch==2.13.0+cpu"]
     assert commands[-1] == "python -m fp8kv demo --random-weights"
     assert "no NVIDIA GPU: installing torch 2.13.0, the CPU build" in err
-    # The silent build says what it does and for how long.
-    assert "building fp8kv's C++ extension against torch 2.13.0+cpu" in err and "about a minute" in err
+    # The build says what it does and for how long, then shows its steps as they come, not pip's chatter.
+    assert "building fp8kv's C++ extension against torch 2.13.0+cpu" in err and "about 3 minutes on 2 cores" in err
+    steps = err[err.index("building fp8kv's C++ extension"):].splitlines()[1:]
+    assert steps == ["Collecting transformers>=5.17", "  *** Configuring CMake...", "  -- fp8kv: CPU-only build",
+                     "  *** Building project with Ninja...",
+                     "  [1/10 14.986s] Building CXX object CMakeFiles/fp8kv_ops.dir/csrc/cpu/kv_amax.cpp.o",
+                     "Installing collected packages: fp8kv"]
+
+
+def test_a_failed_build_shows_the_end_of_its_output_and_stops(tmp_path):
+    status, err, commands = run_script(tmp_path, "test", build_fails="1")
+    assert status == 7
+    assert "  csrc/ops.cpp:1:1: error: expected declaration\n" in err  # not a step: shown from the log
+    assert err.endswith("run.sh: installing fp8kv failed (pip's exit status 7); above, the end of its output (all of "
+                        "it: build/install.log)\n")
+    assert not any("pytest" in c for c in commands)
+    assert "Detecting CXX compiler ABI info" in (tmp_path / "repo" / "build" / "install.log").read_text()
 
 
 def test_without_a_local_cpu_wheel_torch_comes_from_pytorchs_cpu_index(tmp_path):

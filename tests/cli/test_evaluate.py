@@ -5,6 +5,7 @@ exact K/V rescaling, and argument validation of `python -m fp8kv evaluate`."""
 import argparse
 import importlib.util
 import math
+import re
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from checkpoints import truncate  # noqa: E402
 from fp8kv import evaluate as ev  # noqa: E402
 from fp8kv.calibration import calibrate  # noqa: E402
 from fp8kv.commands import evaluate as command  # noqa: E402
@@ -189,6 +191,52 @@ def test_evaluate_model_matches_an_independent_computation():
     assert all(a < b < c for a, b, c in zip(auto.layer_errors, e4m3.layer_errors, e5m2.layer_errors))
 
 
+def passes_that_stop(monkeypatch, events: list, stop_at: int | None = None, stop=None):
+    """Records each cache pass's scores in `events` (as ("pass", its number)); the pass numbered `stop_at`
+    calls stop() (default: raises KeyboardInterrupt, as Ctrl-C does) before its scores count."""
+    add = ev.LogitScores.add
+
+    def counted(self, *args):
+        events.append(("pass", len([e for e in events if e[0] == "pass"])))
+        if events[-1][1] == stop_at:
+            (stop or (lambda: (_ for _ in ()).throw(KeyboardInterrupt)))()
+        add(self, *args)
+
+    monkeypatch.setattr(ev.LogitScores, "add", counted)
+
+
+def test_each_caches_row_is_reported_as_soon_as_it_is_final(monkeypatch):
+    # Window-major order (one reference pass per window, then every cache): a cache's scores are final
+    # after its pass of the last window, before the next cache's.
+    model, tokens = tiny_llama(), windows(count=2, length=24)
+    configs = ev.kv_cache_configs(model, tokens, ["e4m3", "e5m2"], progress=False)
+    events = []
+    passes_that_stop(monkeypatch, events)
+    result = ev.evaluate_model(model, tokens, configs, progress=False,
+                               on_row=lambda partial: events.append(("row", partial)))
+    assert [e[0] for e in events] == ["pass"] * 3 + ["pass", "row"] * 3
+    rows = [e[1] for e in events if e[0] == "row"]
+    assert [[c.name for c in partial.caches] for partial in rows] == [["auto"], ["auto", "e4m3"], names := [
+        "auto", "e4m3", "e5m2"]] and [c.name for c in result.caches] == names
+    assert rows[-1] == result and all(partial.caches == result.caches[:len(partial.caches)] for partial in rows)
+
+
+def test_an_interrupted_evaluation_keeps_the_windows_it_completed(monkeypatch):
+    model, tokens = tiny_llama(), windows(count=2, length=24)
+    configs = ev.kv_cache_configs(model, tokens, ["e4m3", "e5m2"], progress=False)
+    first_window = ev.evaluate_model(model, tokens[:1], configs, progress=False)
+    passes_that_stop(monkeypatch, [], stop_at=4)  # the second window's e4m3 pass
+    with pytest.raises(ev.EvaluationInterrupted) as interrupted:
+        ev.evaluate_model(model, tokens, configs, progress=False)
+    assert (interrupted.value.completed, interrupted.value.windows) == (1, 2)
+    assert interrupted.value.result == first_window  # the same passes: the same bits
+    assert model.config._attn_implementation == "sdpa"  # restored
+    passes_that_stop(monkeypatch, [], stop_at=1)  # the first window's e4m3 pass: nothing done
+    with pytest.raises(ev.EvaluationInterrupted) as interrupted:
+        ev.evaluate_model(model, tokens, configs, progress=False)
+    assert interrupted.value.completed == 0 and interrupted.value.result is None
+
+
 @pytest.mark.parametrize("dtype, unit_roundoff", [(torch.bfloat16, 2.0**-8), (torch.float16, 2.0**-11)])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_unquantized_paged_cache_reproduces_sdpa(dtype, unit_roundoff, seed):
@@ -345,6 +393,57 @@ def test_command_prints_table_and_writes_json(checkpoint, tmp_path, capsys):
     assert saved["setup"]["data"] == [str(text)] and len(saved["caches"][0]["layer_errors"]) == 2
 
 
+def test_command_prints_each_row_before_the_next_caches_pass(checkpoint, monkeypatch, capsys):
+    model_dir, text = checkpoint
+    wrapped, seen = ev.LogitScores.add, []  # seen: what stdout received before each cache pass
+
+    def add(self, *args):
+        seen.append(capsys.readouterr().out)
+        wrapped(self, *args)
+
+    monkeypatch.setattr(ev.LogitScores, "add", add)
+    assert run_cli(["--model", str(model_dir), "--data", str(text), "--seq-len", "32", "--windows", "2",
+                    "--kv-cache-dtype", "e4m3", "e5m2", "--device", "cpu", "--no-progress"]) == 0
+    seen.append(capsys.readouterr().out)
+    # Passes: window 1 (auto, e4m3, e5m2), window 2 (auto, e4m3, e5m2); nothing printed before the last
+    # window's, then the heading and auto's row before e4m3's last pass, e4m3's row before e5m2's.
+    assert seen[:4] == [""] * 4
+    assert seen[4].splitlines()[-1].startswith("| unquantized (model dtype) |") and seen[4].count("\n") == 6
+    assert seen[5].splitlines() == [next(line for line in "".join(seen).splitlines() if "e4m3fn, plain" in line)]
+    assert seen[6].startswith("| float8_e5m2, plain, scale 1 |")
+
+
+@pytest.mark.parametrize("stop", ["Ctrl-C", "SIGTERM"])
+def test_an_interrupted_command_prints_and_writes_the_windows_it_completed(checkpoint, tmp_path, monkeypatch, capsys,
+                                                                           stop):
+    import json
+    import os
+    import signal
+
+    model_dir, text = checkpoint
+    out = tmp_path / "result.json"
+    argv = ["--model", str(model_dir), "--data", str(text), "--seq-len", "32", "--windows", "3", "--kv-cache-dtype",
+            "e4m3", "--device", "cpu", "--json", str(out), "--no-progress"]
+    terminate = (lambda: os.kill(os.getpid(), signal.SIGTERM)) if stop == "SIGTERM" else None
+    passes_that_stop(monkeypatch, [], stop_at=5, stop=terminate)  # in the third window
+    with pytest.raises(CommandError, match="^interrupted after 2 of 3 windows: their scores are above and in "
+                       "--json$") as error:
+        run_cli(argv)
+    assert error.value.status == 130
+    printed = capsys.readouterr().out
+    assert "\ninterrupted: every cache over the 2 of 3 windows completed\n" in printed
+    assert f"{model_dir}: 2 windows x 32 tokens (62 predicted)" in printed
+    saved = json.loads(out.read_text())
+    assert saved["windows"] == 2 and saved["tokens"] == 62 and saved["setup"]["interrupted"] == "after 2 of 3 windows"
+    assert [c["name"] for c in saved["caches"]] == ["auto", "float8_e4m3fn"]
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # restored
+    passes_that_stop(monkeypatch, [], stop_at=1)
+    out.unlink()
+    with pytest.raises(CommandError, match="^interrupted before the first window was scored$"):
+        run_cli(argv)
+    assert not out.exists()
+
+
 def test_command_plots_layer_errors(checkpoint, tmp_path):
     pytest.importorskip("matplotlib")
     model_dir, text = checkpoint
@@ -414,6 +513,26 @@ def test_a_checkpoint_missing_weights_is_refused(checkpoint):
                                          r"\(model.norm.weight\)$"):
         run_cli(["--model", str(model_dir), "--data", str(text), "--seq-len", "32", "--windows", "1", "--device", "cpu",
                  "--no-progress"])
+
+
+def test_a_damaged_checkpoint_is_one_line_naming_the_option_and_the_file(checkpoint, tmp_path):
+    from fp8kv.calibration import export_checkpoint
+
+    model_dir, text = checkpoint
+    kv_cache = calibrate(tiny_llama(), [windows()[0][None]], progress=False).scales()
+    args = ["--data", str(text), "--seq-len", "16", "--windows", "1", "--device", "cpu", "--no-progress",
+            "--kv-cache-dtype", "e4m3-checkpoint"]
+    damaged = export_checkpoint(model_dir, tmp_path / "damaged", kv_cache)
+    truncate(damaged / "model.safetensors")
+    with pytest.raises(CommandError, match=f"^argument --scales: {re.escape(str(damaged))}/model.safetensors: "
+                       "truncated: the file has \\d+ bytes, its header describes \\d+$"):
+        run_cli(["--model", str(model_dir), "--scales", str(damaged), *args])
+    # The model's own weights, damaged where --scales holds the scales: found as they load.
+    scales = export_checkpoint(model_dir, tmp_path / "scales", kv_cache)
+    truncate(model_dir / "model.safetensors")
+    with pytest.raises(CommandError, match=f"^argument --model: {re.escape(str(model_dir))}/model.safetensors: "
+                       "truncated: the file has \\d+ bytes, its header describes \\d+$"):
+        run_cli(["--model", str(model_dir), "--scales", str(scales), *args])
 
 
 def test_png_without_matplotlib_names_the_package(checkpoint, tmp_path, monkeypatch):
@@ -512,3 +631,60 @@ def test_options_are_checked_before_the_packaged_model_is_converted(checkpoint, 
     for extra in (["--kv-cache-dtype", "fp9"], ["--device", "meta"]):  # refused by argparse
         with pytest.raises(SystemExit):
             run_cli(["--model", models.SMOLLM2_NAME, "--data", str(text), *extra])
+
+
+# ----------------------------------------------------------------------------- FP8 math rows
+
+SM90A = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("name, canonical, text", [
+    ("e4m3-centred-checkpoint-fp8math", "float8_e4m3fn-centred-checkpoint-fp8math",
+     "float8_e4m3fn, rotated + centred, checkpoint scales, FP8 math"),
+    ("fp8_e5m2-none-fp8math", "float8_e5m2-fp8math", "float8_e5m2, plain, scale 1, FP8 math")])
+def test_fp8_math_caches_are_named_and_labelled(name, canonical, text):
+    assert ev.cache_name(name) == canonical and ev.label(canonical) == text
+
+
+@pytest.mark.parametrize("name, message", [
+    ("e4m3fnuz-fp8math", r"FP8 math \(fp8math\) reads float8_e4m3fn and float8_e5m2 caches, not float8_e4m3fnuz"),
+    ("e4m3-fp8math-head", r"expected FORMAT\[-RECIPE\]\[-SOURCE\]\[-fp8math\]")])
+def test_bad_fp8_math_caches_are_refused(name, message):
+    with pytest.raises(ValueError, match=message):
+        ev.cache_name(name)
+
+
+def test_fp8_math_rows_follow_each_cache_that_has_them():
+    from fp8kv.evaluate.pipeline import with_fp8_math
+
+    assert with_fp8_math(("float8_e4m3fn-head", "float8_e4m3fnuz", "float8_e5m2-centred", "float8_e5m2-fp8math")) == (
+        "float8_e4m3fn-head", "float8_e4m3fn-head-fp8math", "float8_e4m3fnuz", "float8_e5m2-centred",
+        "float8_e5m2-centred-fp8math", "float8_e5m2-fp8math")
+
+
+@pytest.mark.parametrize("argv", [["--kv-cache-dtype", "e4m3-fp8math"], ["--kv-cache-dtype", "e4m3", "--fp8-math"]])
+def test_fp8_math_off_a_compute_capability_9_gpu_is_refused_before_the_model_loads(checkpoint, no_model_loading, argv):
+    model_dir, text = checkpoint
+    with pytest.raises(CommandError, match="--kv-cache-dtype float8_e4m3fn-fp8math: FP8 math runs on compute "
+                                           "capability 9.0 GPUs, not on cpu"):
+        run_cli(["--model", str(model_dir), "--data", str(text), "--seq-len", "32", "--windows", "1", "--device",
+                 "cpu", "--no-progress", *argv])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not SM90A, reason="FP8 math runs on compute capability 9.0 GPUs")
+def test_fp8_math_rows_next_to_the_16_bit_ones(checkpoint, capsys):
+    """The 16-bit and FP8-math rows of each cache: the same cache, so near each other, not identical."""
+    import json
+
+    model_dir, text = checkpoint
+    assert run_cli(["--model", str(model_dir), "--data", str(text), "--seq-len", "128", "--windows", "2",
+                    "--kv-cache-dtype", "e4m3-head", "e5m2-rotated", "--fp8-math", "--device", "cuda",
+                    "--no-progress", "--json", str(model_dir.parent / "fp8.json")]) == 0
+    caches = {c["name"]: c for c in json.loads((model_dir.parent / "fp8.json").read_text())["caches"]}
+    assert list(caches) == ["auto", "float8_e4m3fn-head", "float8_e4m3fn-head-fp8math", "float8_e5m2-rotated",
+                            "float8_e5m2-rotated-fp8math"]
+    for name in ("float8_e4m3fn-head", "float8_e5m2-rotated"):
+        sixteen, fp8 = caches[name], caches[f"{name}-fp8math"]
+        assert fp8["layer_errors"] != sixteen["layer_errors"] and fp8["mean_kl"] < 10 * sixteen["mean_kl"] + 1e-3
+    assert "FP8 math |" in capsys.readouterr().out

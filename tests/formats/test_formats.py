@@ -186,6 +186,29 @@ def test_config_rejects_bad_scales(k, v, message):
         KVCacheConfig(KVCacheDtype.E4M3FN, k, v)
 
 
+@pytest.mark.parametrize("arguments, error, message", [
+    (dict(k_scales=0.02), TypeError, r"^KVCacheConfig: k_scales must be a sequence with one float or num_kv_heads "
+     r"floats per layer, e\.g\. \[\(0\.02,\)\] \* num_layers, got float 0\.02$"),
+    (dict(v_scales="0.02"), TypeError, "v_scales must be a sequence .* got str '0.02'"),
+    (dict(k_scales={0: 0.02}), TypeError, "k_scales must be a sequence .* got dict"),
+    (dict(k_scales=[None]), TypeError, r"k_scales\[0\] must be a float or a sequence of floats, got NoneType None"),
+    (dict(k_scales=[["0.02"]]), TypeError, r"k_scales\[0\] must be a float or a sequence of floats"),
+    (dict(k_scales=[[[0.1, 0.2]]]), ValueError, r"k_scales\[0\] has shape \[1, 2\]; expected 1 or num_kv_heads"),
+    (dict(k_offsets=0.5), TypeError, r"k_offsets must be a sequence with \[num_kv_heads\]\[head_size\] floats per "
+     "layer, got float 0.5"),
+    (dict(k_offsets=[object()]), TypeError, r"k_offsets\[0\] must be \[num_kv_heads\]\[head_size\] floats, got object"),
+])
+def test_config_arguments_of_the_wrong_type_are_named_with_the_expected_type(arguments, error, message):
+    # k_scales=0.02 raised "'float' object is not iterable"; a nested list was flattened into per-head scales.
+    with pytest.raises(error, match=message):
+        KVCacheConfig(**{"dtype": "fp8_e4m3fn", "k_scales": [(1.0,)], "v_scales": [(1.0,)], **arguments})
+
+
+def test_config_takes_tensors_and_sequences_of_any_kind():
+    config = KVCacheConfig("fp8_e4m3fn", torch.full((2, 4), 0.5), (0.25, torch.tensor(0.125)))
+    assert config.k_scales == ((0.5,) * 4,) * 2 and config.v_scales == ((0.25,), (0.125,))
+
+
 def test_config_rejects_unknown_dtype_name():
     with pytest.raises(ValueError, match="unknown kv cache dtype"):
         KVCacheConfig("int4", [[1.0]], [[1.0]])

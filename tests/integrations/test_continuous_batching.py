@@ -31,6 +31,8 @@ from transformers.generation.continuous_batching import cache as transformers_ca
 from transformers.generation.continuous_batching import continuous_api, initialization, input_outputs  # noqa: E402
 from transformers.generation.continuous_batching import model_runner  # noqa: E402
 
+from near_ties import assert_equal_up_to_near_ties, margins  # noqa: E402
+
 from fp8kv import load_kv_cache_config  # noqa: E402
 from fp8kv.evaluate.caches import kv_cache_configs  # noqa: E402
 from fp8kv.formats import KVCacheConfig, KVCacheDtype  # noqa: E402
@@ -105,9 +107,7 @@ def reference(model, kv_cache_config: KVCacheConfig, prompt: list[int],
                          **cache_argument(model, PagedCache(kv_cache_config, max_tokens=256, block_size=page)))
     tokens = out.sequences[0, len(prompt):]
     logits = torch.stack(out.logits)[:, 0].float()
-    top2 = logits.topk(2, dim=-1).values
-    return tokens.tolist(), logits.softmax(-1).gather(1, tokens[:, None]).squeeze(1).log().cpu(), (
-        top2[:, 0] - top2[:, 1]).cpu()
+    return tokens.tolist(), logits.softmax(-1).gather(1, tokens[:, None]).squeeze(1).log().cpu(), margins(logits)
 
 
 def assert_same_as_reference(model, kv_cache_config, prompts, outputs, copies: int = 1, sampled: bool = False) -> None:
@@ -124,13 +124,9 @@ def assert_same_as_reference(model, kv_cache_config, prompts, outputs, copies: i
 def assert_as_reference_up_to_near_ties(expected, outputs, near_tie: float) -> int:
     """Each output has NEW_TOKENS tokens, equal to its reference's (`reference`'s results, in order) up to
     the first one whose best two logits are within `near_tie`. Returns how many equal it throughout."""
-    whole = 0
-    for (tokens, _, margins), output in zip(expected, outputs, strict=True):
-        differ = [i for i, (got, want) in enumerate(zip(output.generated_tokens, tokens)) if got != want]
-        assert len(output.generated_tokens) == NEW_TOKENS
-        assert not differ or margins[differ[0]] <= near_tie, (output.request_id, differ, margins)
-        whole += not differ
-    return whole
+    assert [len(output.generated_tokens) for output in outputs] == [NEW_TOKENS] * len(outputs)
+    return assert_equal_up_to_near_ties([(tokens, gaps) for tokens, _, gaps in expected],
+                                        [output.generated_tokens for output in outputs], near_tie)
 
 
 class Steps:
@@ -652,7 +648,9 @@ def test_cuda_graph_capture_derives_the_step_indices_inside_the_graph(monkeypatc
     # transformers runs a step once, then captures it on the same index tensors: the metadata derived
     # on the first run must not be reused by the capture, or the graph would replay that step's indices
     # on every later step. On any machine: capture is simulated.
-    state = continuous_batching._CacheState(KVCacheConfig.unit_scales("e4m3", 2), torch.device("cpu"), padded=True)
+    state = continuous_batching._CacheState(
+        KVCacheConfig.unit_scales("e4m3", 2), torch.device("cpu"), padded=True, fp8_math=False
+    )
     derived = []
     monkeypatch.setattr(continuous_batching, "_step_metadata", lambda *args: derived.append(args) or len(derived))
     allocator = type("Allocator", (), {"layer_type": "full_attention"})()

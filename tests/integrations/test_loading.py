@@ -11,6 +11,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from checkpoints import edit_safetensors_header, truncate  # noqa: E402
+from fp8kv.checkpoint import CheckpointError  # noqa: E402
 from fp8kv.loading import WeightsMismatchError, load_causal_lm  # noqa: E402
 
 WEIGHTS = "model.safetensors"
@@ -103,3 +105,27 @@ def test_a_transformers_refusal_carries_its_report(checkpoint, monkeypatch, capf
                                 "during automatic conversion. See the above report!\nLOAD REPORT\n"
                                 "experts.0.w1 | CONVERSION")
     assert capfd.readouterr().err == "" and hf_logging.get_logger().handlers == handlers
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: truncate(d / WEIGHTS), f"{WEIGHTS}: truncated: the file has \\d+ bytes, its header describes \\d+"),
+    (lambda d: edit_safetensors_header(d / WEIGHTS, lambda h: h["model.norm.weight"].update(shape=[64])),
+     f"{WEIGHTS}: model.norm.weight: data_offsets hold 128 bytes, where F32 of shape \\[64\\] takes 256 bytes"),
+])
+def test_a_damaged_weights_file_is_one_line_naming_it(checkpoint, damage, message):
+    # transformers' own error names no file ("incomplete metadata, file not fully covered").
+    directory, _ = checkpoint
+    damage(directory)
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(directory))}/{message}$"):
+        load_causal_lm(directory, torch.float32, progress=False)
+
+
+def test_a_missing_shard_is_one_line_naming_it(tmp_path):
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=64)).save_pretrained(tmp_path, max_shard_size="20KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(tmp_path))}/model.safetensors.index.json: .*: maps to "
+                       f"shard '{shard.name}', which does not exist$"):
+        load_causal_lm(tmp_path, torch.float32, progress=False)

@@ -1,4 +1,4 @@
-"""fp8kv's vLLM attention backend inside vLLM, on CPU (fp8kv's CPU kernels under VLLM_TARGET_DEVICE=cpu).
+"""fp8kv's vLLM attention backend inside vLLM, on vLLM's CPU platform (fp8kv's CPU kernels).
 
 Runs where the vLLM version pyproject.toml's [vllm] extra pins is installed (scripts/test_vllm.sh
 makes that environment; elsewhere the module skips). What vLLM does is done by vLLM's own code:
@@ -20,7 +20,9 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import math
-import os
+import pickle
+import subprocess
+import sys
 import tomllib
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,8 +31,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM is imported: the CPU platform
 vllm = pytest.importorskip("vllm")
+from vllm.platforms import current_platform  # noqa: E402
+
+if not current_platform.is_cpu():
+    pytest.skip("needs vLLM's CPU platform: fp8kv's test platform (tests/vllm_test_platform, which "
+                "scripts/test_vllm.sh installs), or VLLM_TARGET_DEVICE=cpu", allow_module_level=True)
 
 from reference import (FORMAT_BY_DTYPE, AttentionReference, assert_within, calibrated_scales,  # noqa: E402
                        covering_grid, paged_attention_reference, quantization_error_bound, quantization_spacing,
@@ -42,7 +48,6 @@ from vllm.model_executor.layers.attention import Attention  # noqa: E402
 from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (  # noqa: E402
     CompressedTensorsKVCacheMethod)
 from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod  # noqa: E402
-from vllm.platforms import current_platform  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
 from vllm.plugins import load_general_plugins  # noqa: E402
 from vllm.utils.argparse_utils import FlexibleArgumentParser  # noqa: E402
@@ -56,12 +61,18 @@ from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups  # no
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheLayout, create_kv_cache_views  # noqa: E402
 from vllm.v1.worker.utils import allocate_kv_cache  # noqa: E402
 
+from rotated_reference import rotate_float32  # noqa: E402
 from vllm_pages import ExpectedPages, Requests, poison  # noqa: E402
 
+from fp8kv.evaluate.caches import converted  # noqa: E402
+from fp8kv.formats import KVCacheConfig, KVCacheDtype  # noqa: E402
 from fp8kv.integrations import vllm as plugin  # noqa: E402
+from fp8kv.integrations import vllm_backend  # noqa: E402
+from fp8kv.integrations import vllm_recipe as recipe  # noqa: E402
 from fp8kv.integrations.vllm import AttentionMetadata  # noqa: E402
 from fp8kv.integrations.vllm_backend import (Fp8kvAttentionBackend, Fp8kvAttentionImpl,  # noqa: E402
                                              Fp8kvMetadataBuilder)
+from fp8kv.rotation import Rotation  # noqa: E402
 
 LAYER, OTHER_LAYER = "model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"
 NUM_BLOCKS = 48
@@ -131,17 +142,23 @@ class Engine:
         cache_config = CacheConfig(cache_dtype=kv_cache_dtype, block_size=case["block_size"])
         cache_config.kv_cache_layout = case["layout"]
         cache_config.num_gpu_blocks_override = NUM_BLOCKS
-        self.config = VllmConfig(cache_config=cache_config)
+        recipe_name = case.get("recipe", "plain")
+        additional_config = {} if recipe_name == "plain" else {recipe.ROTATION_KEY: "hadamard"}
+        self.config = VllmConfig(cache_config=cache_config, additional_config=additional_config)
         backend = AttentionBackendEnum[plugin.BACKEND_NAME].get_class()
+        # K/V of every token the requests will have, and checkpoint scales calibrated on them.
+        self.pool = {name: random_kv(POOL * MAX_REQUESTS, self.num_kv_heads, self.head_size, self.generator)
+                     .to(self.dtype) for name in "kv"}
+        self.rotated = None
+        if recipe_name != "plain":  # what fp8kv reads from the checkpoint, for both layers
+            self.rotated = checkpoint_rotated_recipe(self.pool, recipe_name == "centred", case, self.generator)
+            monkeypatch.setattr(vllm_backend, "checkpoint_recipe", lambda *args: self.rotated)
         with set_current_vllm_config(self.config), default_dtype(self.dtype):
             self.layer = Attention(self.num_heads, self.head_size, self.head_size**-0.5, self.num_kv_heads,
                                    cache_config=cache_config, prefix=LAYER, attn_backend=backend,
                                    logits_soft_cap=self.soft_cap or None,
                                    per_layer_sliding_window=self.window if case["window"] else None)
         assert not self.layer.use_direct_call  # the layer calls vLLM's custom ops, as on CUDA
-        # K/V of every token the requests will have, and checkpoint scales calibrated on them.
-        self.pool = {name: random_kv(POOL * MAX_REQUESTS, self.num_kv_heads, self.head_size, self.generator)
-                     .to(self.dtype) for name in "kv"}
         self.fp8 = None
         if kv_cache_dtype != "auto":
             self.fp8 = torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else current_platform.fp8_dtype()
@@ -151,6 +168,9 @@ class Engine:
                                       for n in "kv"]
             load_scales(self.layer, case["scales"], *self.checkpoint_scales)
 
+        if self.rotated is not None:  # as vLLM's loader does once the weights are in
+            with set_current_vllm_config(self.config):
+                self.layer.impl.process_weights_after_loading(self.dtype)
         spec = self.layer.get_kv_cache_spec(self.config)
         plan = get_kv_cache_config_from_groups(self.config, [KVCacheGroupSpec([LAYER, OTHER_LAYER], spec)], 1 << 40)
         assert plan.num_blocks == NUM_BLOCKS
@@ -158,14 +178,18 @@ class Engine:
         for page in caches.values():  # every byte a step does not write must keep its NaN code
             poison(page, self.fp8)
         self.layer.kv_cache, self.other_page = caches[LAYER], caches[OTHER_LAYER]
-        self.expected = ExpectedPages(caches[LAYER], self.fp8, self.dtype)
+        k_offset = None if self.rotated is None else self.rotated.k_offset(0)
+        self.expected = ExpectedPages(caches[LAYER], self.fp8, self.dtype, self.rotated is not None, k_offset)
         self.expected_other = ExpectedPages(caches[OTHER_LAYER], self.fp8, self.dtype)
         self.builder = backend.get_builder_cls()(spec, [LAYER], self.config, torch.device("cpu"))
         self.requests = Requests(NUM_BLOCKS, case["block_size"], math.ceil(POOL / case["block_size"]), self.generator)
         self.pool_offset: dict[str, int] = {}
 
     def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's scales as vLLM holds them, [1] or [num_kv_heads]."""
+        """The layer's scales, [1] or [num_kv_heads]: as vLLM holds them (the plain recipe), or the
+        rotated recipe's for layer 0."""
+        if self.rotated is not None:
+            return self.rotated.k_scale(0), self.rotated.v_scale(0)
         return self.layer._k_scale.reshape(-1), self.layer._v_scale.reshape(-1)
 
     def step(self, scheduled: list[tuple[str, int]], pad_tokens: int = 0, pad_reqs: int = 0) -> AttentionMetadata:
@@ -223,6 +247,27 @@ class Engine:
         return tuple(caches)
 
 
+def checkpoint_rotated_recipe(pool: dict[str, torch.Tensor], centred: bool, case: dict,
+                              generator: torch.Generator) -> KVCacheConfig:
+    """The rotated recipe of a two-layer checkpoint, as fp8kv reads it for the cache format: scales
+    calibrated on the rotated pool (per the case's granularity), and for `centred` the K offset the
+    mean rotated key of each head, layer 1's different from layer 0's (the layer a page belongs to must
+    pick its own)."""
+    fmt = "e5m2" if case["cache_dtype"] == "fp8_e5m2" else "e4m3fn"
+    rotated = {name: rotate_float32(values) for name, values in pool.items()}
+    offset = rotated["k"].mean(dim=0) if centred else None
+    if offset is not None:
+        rotated["k"] = rotated["k"] - offset
+    per_head = case["scales"] == "per_head"
+    k, v = (calibrated_scales(rotated[name], fmt, per_head, generator).tolist() for name in "kv")
+    offsets = None if offset is None else [offset.tolist(), (offset + 1).tolist()]
+    config = KVCacheConfig(fmt, [k, [2 * s for s in k]], [v, [2 * s for s in v]], "the test's", Rotation.HADAMARD,
+                           offsets)
+    if case["cache_dtype"] == "fp8_fnuz":  # as the loader converts e4m3fn scales for e4m3fnuz
+        config = converted(config, KVCacheDtype.E4M3FNUZ)
+    return config
+
+
 def model_dtype(case: dict) -> torch.dtype:
     # An auto cache has the model's dtype, which vLLM takes from the model config: without one (no
     # model here) vLLM makes it float16.
@@ -261,6 +306,36 @@ def test_prefill_chunked_prefill_and_decode_through_the_attention_layer(case, mo
     engine.step([("a", 1), ("b", 1), ("c", b + 7)], pad_tokens=3)
     engine.step([("a", 1), ("b", 1), ("c", 1)], pad_reqs=NUM_REQS_PADDED - 3)
     engine.step([("b", 1), ("c", 9), ("a", 2)])
+
+
+ROTATED_CASES = [
+    {"cache_dtype": "fp8", "layout": "LBNHC", "scales": "per_tensor", "dtype": torch.bfloat16, "block_size": 16,
+     "head_size": 128, "num_kv_heads": 2, "window": False, "soft_cap": False, "recipe": "rotated"},
+    {"cache_dtype": "fp8", "layout": "LBHNC", "scales": "per_head", "dtype": torch.float16, "block_size": 16,
+     "head_size": 80, "num_kv_heads": 1, "window": True, "soft_cap": True, "recipe": "centred"},
+    {"cache_dtype": "fp8_e5m2", "layout": "BLNHC", "scales": "per_head", "dtype": torch.bfloat16, "block_size": 64,
+     "head_size": 64, "num_kv_heads": 2, "window": False, "soft_cap": True, "recipe": "centred"},
+    {"cache_dtype": "fp8_fnuz", "layout": "LBNHC", "scales": "per_tensor", "dtype": torch.bfloat16, "block_size": 16,
+     "head_size": 96, "num_kv_heads": 2, "window": True, "soft_cap": False, "recipe": "centred"},
+]
+
+
+@pytest.mark.parametrize("case", ROTATED_CASES, ids=lambda case: f"{case['recipe']}-{case_id(case)}")
+def test_the_rotated_recipe_through_the_attention_layer(case, monkeypatch):
+    """fp8kv_rotation 'hadamard' in vLLM's additional_config: the layer binds layer 0's scales and K
+    offset (not vLLM's checkpoint scales, nor layer 1's) once its weights are loaded, and the steps
+    of the plain recipe's test write exactly the rotated recipe's bytes and attend within the
+    rotated reference's bound."""
+    engine = Engine(case, monkeypatch, seed=100 + ROTATED_CASES.index(case))
+    bound = engine.layer.impl.recipe
+    for held, expected in zip((bound.k_scale, bound.v_scale, bound.k_offset),
+                              (engine.rotated.k_scale(0), engine.rotated.v_scale(0), engine.rotated.k_offset(0))):
+        assert (held is None and expected is None) or torch.equal(held, expected)
+    assert not torch.equal(engine.layer._k_scale.reshape(-1), bound.k_scale)
+    b = case["block_size"]
+    engine.step([("a", 2 * b + 3), ("b", 5), ("c", 20)])
+    engine.step([("a", 1), ("b", 1), ("c", b + 7)], pad_tokens=3)
+    engine.step([("a", 1), ("b", 1), ("c", 1)], pad_reqs=NUM_REQS_PADDED - 3)
 
 
 @pytest.mark.parametrize("cache_dtype, scales", [
@@ -303,6 +378,18 @@ def test_the_entry_point_registers_the_backend_with_vllm():
     plugin.register()
     assert AttentionBackendEnum[plugin.BACKEND_NAME].get_class() is Fp8kvAttentionBackend
     assert Fp8kvAttentionBackend.get_name() == plugin.BACKEND_NAME
+
+
+def test_a_process_that_has_not_loaded_the_plugins_unpickles_the_selected_backend():
+    """vLLM pickles its config, the selected backend's registry member with it, into the processes
+    it spawns (engine core, workers), which unpickle it before they load plugins: a fresh
+    interpreter must find FP8KV and fp8kv's class behind it."""
+    config = AttentionConfig(backend=AttentionConfig.validate_backend_before("FP8KV"))
+    code = ("import pickle, sys; config = pickle.load(sys.stdin.buffer); "
+            "print(config.backend.name, config.backend.get_class().__qualname__)")
+    child = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(config), capture_output=True, timeout=300)
+    assert child.returncode == 0, child.stderr.decode()[-2000:]
+    assert child.stdout.decode().split() == ["FP8KV", "Fp8kvAttentionBackend"]
 
 
 @pytest.mark.parametrize("name", ["FP8KV", "fp8kv"])
@@ -356,6 +443,16 @@ def test_validate_configuration_refuses(changes, reason):
     assert reason in Fp8kvAttentionBackend.validate_configuration(**valid_configuration(**changes))
 
 
+def test_a_platform_without_a_compute_capability_is_accepted_where_it_is_vllms_cpu_platform(monkeypatch):
+    """vLLM's CPU platform reports no compute capability (None): fp8kv's CPU kernels run there, and
+    on no other platform without one."""
+    assert current_platform.is_cpu() and current_platform.get_device_capability() is None
+    assert Fp8kvAttentionBackend.validate_configuration(**valid_configuration(device_capability=None)) == []
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
+    assert "compute capability not supported" in \
+        Fp8kvAttentionBackend.validate_configuration(**valid_configuration(device_capability=None))
+
+
 def test_validate_configuration_refuses_another_vllm_and_a_build_without_cuda_kernels(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
     assert "fp8kv's backend is written for vLLM 0.33, not 0.34.0" in \
@@ -385,6 +482,34 @@ def test_the_impl_refuses_what_fp8kv_does_not_do(changes, message):
 def test_the_impl_refuses_a_cache_dtype_it_does_not_read():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of .*, got 'fp8_inc'"):
         make_impl(kv_cache_dtype="fp8_inc")
+
+
+@pytest.mark.parametrize("additional_config, rotation", [
+    ({}, Rotation.NONE), ({"other_plugin": 1}, Rotation.NONE), ({"fp8kv_rotation": "none"}, Rotation.NONE),
+    ({"fp8kv_rotation": "hadamard"}, Rotation.HADAMARD), ({"fp8kv_rotation": " Hadamard "}, Rotation.HADAMARD)])
+def test_the_recipe_is_chosen_in_vllms_additional_config(additional_config, rotation):
+    assert recipe.chosen_rotation(VllmConfig(additional_config=additional_config).additional_config) is rotation
+
+
+@pytest.mark.parametrize("additional_config, message", [
+    ({"fp8kv_rotaton": "hadamard"}, "unknown fp8kv key 'fp8kv_rotaton'; fp8kv's attention backend reads "
+                                    "'fp8kv_rotation'"),
+    ({"fp8kv_rotation": "centred"}, "additional_config\\['fp8kv_rotation'\\]: unknown rotation 'centred'"),
+    ({"fp8kv_rotation": 1}, "additional_config\\['fp8kv_rotation'\\]: rotation must be a Rotation or str")])
+def test_a_misspelt_or_unknown_recipe_choice_is_refused(additional_config, message):
+    with pytest.raises(ValueError, match=message):
+        recipe.chosen_rotation(additional_config)
+
+
+def test_the_rotated_recipe_refuses_what_cannot_work(tmp_path):
+    with pytest.raises(ValueError, match="'hadamard' needs an FP8 cache .* an unquantized \\(auto\\) cache stores"):
+        recipe.rotated_recipe(tmp_path, None, 0, 1)
+    with pytest.raises(ValueError, match="the model 'org/model' is not a local directory; download it"):
+        recipe.rotated_recipe("org/model", torch.float8_e4m3fn, 0, 1)
+    rotated = VllmConfig(additional_config={"fp8kv_rotation": "hadamard"})
+    with set_current_vllm_config(rotated), pytest.raises(
+            NotImplementedError, match="rotated recipe .* does not support a layer reading another layer's cache"):
+        make_impl(kv_sharing_target_layer_name=LAYER)
 
 
 def decode_engine(monkeypatch) -> Engine:

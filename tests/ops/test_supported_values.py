@@ -6,8 +6,8 @@ import pytest
 
 from fp8kv._ops import supported_values
 
-NAMES = ("cuda_head_sizes", "cuda_block_sizes", "cuda_sm90a_head_sizes", "cuda_sm90a_capability",
-         "cuda_decode_table_seqs")
+NAMES = ("cuda_head_sizes", "cuda_block_sizes", "cuda_sm90a_head_sizes", "cuda_sm90a_fp8_math_head_sizes",
+         "cuda_sm90a_capability", "cuda_decode_table_seqs")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -20,6 +20,7 @@ def test_lists_are_increasing_positive_ints(name):
 
 def test_sm90a_kernel_has_a_subset_of_the_head_sizes():
     assert set(supported_values("cuda_sm90a_head_sizes")) <= set(supported_values("cuda_head_sizes"))
+    assert set(supported_values("cuda_sm90a_fp8_math_head_sizes")) <= set(supported_values("cuda_sm90a_head_sizes"))
 
 
 def test_block_sizes_are_powers_of_two():

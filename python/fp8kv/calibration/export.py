@@ -19,7 +19,7 @@ import torch
 from .. import commit, distributed
 from ..checkpoint.config import CONFIG_FILE
 from ..checkpoint.files import read_json_object, read_safetensors_header
-from ..checkpoint.problems import CheckpointError, Problem
+from ..checkpoint.problems import CheckpointError
 from ..checkpoint.reading import read_checkpoint_scales
 from ..checkpoint.rotated_recipe import RECIPE_FILE, RotatedRecipe
 from ..checkpoint.scale_tensors import module_and_layer
@@ -209,29 +209,10 @@ def _write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], bas
 
 def _copied_entries(path: pathlib.Path) -> tuple[dict, int]:
     """The header entries of safetensors file `path` and where its data starts. Its data is copied
-    whole behind the new tensors, every offset moved: each entry needs valid offsets, and the
-    tensors must fill the data. The metadata is kept: it must be what safetensors reads."""
+    whole behind the new tensors, every offset moved: read_safetensors_header has checked that the
+    entries' offsets fill the data and that the metadata is what safetensors reads."""
     header = read_safetensors_header(path)
-    end = 0
-    for name, entry in header.entries.items():
-        if name == "__metadata__":
-            if not (isinstance(entry, dict) and all(isinstance(value, str) for value in entry.values())):
-                raise CheckpointError([Problem(str(path), name, "must be an object of strings")])
-            continue
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_offset, offsets))
-                and offsets[0] <= offsets[1]):
-            raise CheckpointError([Problem(str(path), name, "data_offsets must be [begin, end], integers with "
-                                                            "0 <= begin <= end")])
-        end = max(end, offsets[1])
-    if end != header.data_size:
-        raise CheckpointError([Problem(str(path), None, f"its tensors end at byte {end} of its {header.data_size} "
-                                                        "data bytes; not a complete safetensors file")])
     return header.entries, header.data_start
-
-
-def _is_offset(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _copy(source: pathlib.Path, stage: pathlib.Path, out: pathlib.Path) -> None:

@@ -5,7 +5,8 @@ cache scales (tensors, config hints, the legacy JSON file) and every problem wit
 raising for bad content; `load_kv_cache_config` (per_rank) turns that into the `KVCacheConfig` of
 one tensor-parallel rank and cache format, raising `CheckpointError` on any problem.
 `CheckpointScales.report` describes the former (`python -m fp8kv inspect` prints it).
-`checkpoint_tensor_names` (tensor_files) lists every tensor of a checkpoint and the file holding it.
+`checkpoint_tensor_names` (tensor_files) lists every tensor of a checkpoint and the file holding it;
+`check_tensor_files` only checks those files (a damaged one, or a missing shard, is a CheckpointError).
 
 Checkpoint forms: scale tensors (scale_tensors), config.json and hf_quant_config.json hints
 (config), the legacy kv_cache_scales.json (legacy_json).
@@ -13,7 +14,8 @@ Checkpoint forms: scale tensors (scale_tensors), config.json and hf_quant_config
 Checkpoints come from untrusted sources, so reading is bounded (files): regular files only (a
 FIFO or device is an error, not a hang), JSON files and safetensors headers up to MAX_JSON_BYTES,
 shard paths of the index inside the directory, and work proportional to the entries the files
-hold, never to a count a file declares.
+hold, never to a count a file declares. Every safetensors header read must describe its file
+(safetensors_layout): a truncated or corrupt file is one problem naming it, before any tensor is read.
 
 An export into the directory that committed but did not finish its renames (a commit journal,
 see `fp8kv.commit`) is read as finished: each file its journal lists is read from where the
@@ -27,7 +29,7 @@ from .per_rank import load_kv_cache_config, shard_kv_cache_config, shard_kv_head
 from .problems import CheckpointError, Problem
 from .reading import CheckpointScales, read_checkpoint_scales
 from .scale_tensors import FoundScale, module_and_layer, scale_values
-from .tensor_files import INDEX_FILE, checkpoint_tensor_names
+from .tensor_files import INDEX_FILE, check_tensor_files, checkpoint_tensor_names
 from .values import format_ranges
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "read_safetensors_header",
     "read_json_object",
     "checkpoint_tensor_names",
+    "check_tensor_files",
     "scale_values",
     "module_and_layer",
     "format_ranges",

@@ -15,6 +15,7 @@ from typing import Callable, NamedTuple
 
 from .. import commit
 from .problems import CheckpointError, Fatal, Problem
+from .safetensors_layout import layout_problem
 from .values import show
 
 # Far above any real checkpoint's JSON files (a few MiB); keeps a hostile one from exhausting memory.
@@ -32,7 +33,8 @@ class SafetensorsHeader(NamedTuple):
 def read_safetensors_header(path: str | os.PathLike) -> SafetensorsHeader:
     """The header of safetensors file `path`, read as the loader reads it: a regular file (symlinks
     followed), a header length within the file and MAX_JSON_BYTES, a JSON object without repeated
-    keys. Raises CheckpointError naming the file."""
+    keys whose tensors fill the rest of the file (safetensors_layout). Raises CheckpointError naming
+    the file."""
     return _read_file(path, Reader.safetensors_header)
 
 
@@ -66,6 +68,9 @@ class Reader:
     committed: dict[str, pathlib.Path] = field(default_factory=dict)
     # safetensors file -> its tensor names (a dict for ordered, constant-time lookup); None: unreadable.
     _names: dict[pathlib.Path, dict[str, None] | None] = field(default_factory=dict)
+    # Whether a safetensors file could not be read (damaged, or a shard missing; its problem recorded):
+    # a tensor not found may be in it, which is then no problem of its own.
+    tensor_file_unread: bool = False
 
     def path(self, name: str) -> pathlib.Path:
         """The file to read for the directory's file `name`."""
@@ -120,6 +125,7 @@ class Reader:
                 self._names[path] = dict.fromkeys(n for n in entries if n != "__metadata__")
             except Fatal:
                 self._names[path] = None
+                self.tensor_file_unread = True
         return self._names[path]
 
     def safetensors_header(self, path: pathlib.Path) -> SafetensorsHeader:
@@ -134,8 +140,12 @@ class Reader:
         if length > MAX_JSON_BYTES:
             raise self.fatal(path, None, f"cannot read safetensors file: header length {length} exceeds "
                              f"{_mib(MAX_JSON_BYTES)} (MAX_JSON_BYTES)")
-        entries = self.parse_json_object(path, self.read(path, 8, length)[0])
-        return SafetensorsHeader(entries, 8 + length, size - 8 - length)
+        header = SafetensorsHeader(self.parse_json_object(path, self.read(path, 8, length)[0]), 8 + length,
+                                   size - 8 - length)
+        problem = layout_problem(*header)
+        if problem:
+            raise self.fatal(path, *problem)
+        return header
 
 
 def open_directory(reader: Reader) -> None:

@@ -18,10 +18,15 @@ class Problem:
 
 
 class CheckpointError(ValueError):
-    """A checkpoint's KV cache scales are missing, malformed or inconsistent."""
+    """A checkpoint's files are damaged, or its KV cache scales missing, malformed or inconsistent.
+
+    One problem is one line (the file, what is wrong); several are a list, one line each."""
 
     def __init__(self, problems):
         self.problems = tuple(problems)
+        if len(self.problems) == 1:
+            super().__init__(str(self.problems[0]))
+            return
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"invalid KV cache scales ({len(self.problems)} problem(s)):\n{lines}")
 

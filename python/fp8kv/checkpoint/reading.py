@@ -163,7 +163,7 @@ def _read_into(reader: Reader, state: dict, scales_json) -> None:
             reader.problem(json_path, None, f"conflicting sources: the safetensors files also hold scales ({', '.join(forms)})")
         state.update(legacy_json=str(json_path), legacy_json_scales=json_scales)
         forms = (*forms, "legacy kv_cache_scales.json")
-    if required and not forms:
+    if required and not forms and not reader.tensor_file_unread:  # else that file's problem says why
         reader.problem(config_path, "quantization_config", f"declares {' and '.join(declared)} but no scale tensors were found")
 
     formats = {fmt for _, _, fmt in dtype_hints}

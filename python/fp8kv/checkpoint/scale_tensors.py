@@ -57,10 +57,7 @@ def _read_scale_tensor(reader: Reader, path: pathlib.Path, name: str, num_kv_hea
     """Tensor `name` of `path`, read only if its shape is one a scale can have; None (and a problem) otherwise."""
     from safetensors import safe_open
 
-    names = reader.tensor_names(path)
-    if names is None:
-        return None  # the file's problem is already recorded
-    if name not in names:
+    if name not in reader.tensor_names(path):  # a readable file: locate_tensors leaves the others out
         reader.problem(path, name, "listed in the index but not stored in this shard")
         return None
     try:
@@ -172,7 +169,9 @@ def _one_scale_per_layer(reader: Reader, candidates, num_layers: int):
             elif not found[0].values:
                 complete = False
         gaps = _gaps(layers, num_layers)
-        if gaps:
+        if gaps and reader.tensor_file_unread:
+            complete = False  # the missing scales may be in that file, whose problem is recorded
+        elif gaps:
             example = candidates[(layers[0], target)][0] if layers else next(iter(candidates.values()))[0]
             expected = _with_layer(_as_kind(example.tensor, target), gaps[0][0])
             missing = ", ".join(f"{first}" if first == last else f"{first}-{last}" for first, last in gaps)

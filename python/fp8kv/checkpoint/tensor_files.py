@@ -16,21 +16,30 @@ def checkpoint_tensor_names(directory: str | os.PathLike) -> dict[str, pathlib.P
     """Every tensor name of checkpoint `directory` -> the safetensors file that holds it.
 
     From model.safetensors.index.json when there is one (its shard files must be regular files
-    inside the directory), else from the headers of the directory's *.safetensors files. Reads
-    only regular files, each JSON part at most MAX_JSON_BYTES. A file that a committed export's
+    inside the directory), else from the headers of the directory's *.safetensors files. Every
+    file's header is read and must describe the file (a truncated or corrupt file is a problem).
+    Reads only regular files, each JSON part at most MAX_JSON_BYTES. A file that a committed export's
     journal lists is the one the journal names (see fp8kv.checkpoint). Raises CheckpointError
     naming the file (and tensor) of every problem.
     """
     return checked(Reader(pathlib.Path(directory)), locate_tensors)
 
 
-def locate_tensors(reader: Reader) -> dict[str, pathlib.Path]:
+def check_tensor_files(directory: str | os.PathLike) -> None:
+    """Raises CheckpointError naming every damaged safetensors file of checkpoint `directory` (truncated,
+    corrupt, a header that does not describe the file) and every missing or misplaced shard of its
+    index, read as checkpoint_tensor_names reads them; a checkpoint of pickled weights only passes."""
+    checked(Reader(pathlib.Path(directory)), lambda reader: locate_tensors(reader, pickled_ok=True))
+
+
+def locate_tensors(reader: Reader, *, pickled_ok: bool = False) -> dict[str, pathlib.Path]:
+    """Every tensor name -> its file; pickled_ok: a directory of pickled weights only is no problem."""
     index_path = reader.path(INDEX_FILE)
     if os.path.lexists(index_path):
         return _indexed_tensors(reader, index_path)
     entries = directory_files(reader)
     files = [path for name, path in entries.items() if name.endswith(".safetensors")]
-    if not files:
+    if not files and not pickled_ok:
         pickled = [name for name in entries if pathlib.PurePath(name).suffix in (".bin", ".pt", ".pth")]
         if pickled:
             reader.problem(reader.directory, None, f"holds only pickled weights ({', '.join(pickled)}); "
@@ -55,7 +64,8 @@ def directory_files(reader: Reader) -> dict[str, pathlib.Path]:
 
 
 def _indexed_tensors(reader: Reader, index_path: pathlib.Path) -> dict[str, pathlib.Path]:
-    """The index's weight_map with each shard checked once (entries naming a bad shard are left out)."""
+    """The index's weight_map with each shard checked once, its header included (entries naming a bad
+    shard are left out)."""
     weight_map = reader.json_object(index_path).get("weight_map")
     if not isinstance(weight_map, dict):
         raise reader.fatal(index_path, "weight_map", "missing or not an object")
@@ -88,6 +98,7 @@ def _shard_path(reader: Reader, index_path: pathlib.Path, name: str, shard: str)
     why = not_regular(path) if inside else "lies outside the checkpoint directory"
     if why:
         reader.problem(index_path, name, f"maps to shard {show(shard)}, which {why}")
+        reader.tensor_file_unread = True
         return None
-    return path
+    return path if reader.tensor_names(path) is not None else None  # a damaged shard: its problem is recorded
 

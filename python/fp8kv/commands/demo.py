@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..checkpoint.problems import CheckpointError
+from ..checkpoint.tensor_files import check_tensor_files
 from ..formats import KVCacheDtype, format_names
 from .. import models
 from . import arguments
@@ -43,8 +45,14 @@ def run(args: argparse.Namespace) -> int:
     device = args.device or arguments.default_device()
     missing = models.smollm2_missing()
     if not (args.random_weights or missing):
+        checkpoint = models.smollm2_checkpoint()
         try:
-            prepared = demo.prepare_real(models.smollm2_checkpoint(), args.new_tokens)
+            check_tensor_files(checkpoint)
+        except CheckpointError as e:
+            raise CommandError(f"the converted {models.SMOLLM2_MODEL} checkpoint is damaged: {e}; delete {checkpoint} "
+                               "to convert it again") from e
+        try:
+            prepared = demo.prepare_real(checkpoint, args.new_tokens)
         except demo.TooManyTokens as e:
             raise CommandError(f"argument --new-tokens: {e}", USAGE_ERROR) from e
         if args.threads is not None:

@@ -25,13 +25,19 @@ calibrated on the evaluation windows per tensor or per KV head (`-tensor`, `-hea
 `fp8kv.calibration`). By default CACHES: e4m3 with each source, e5m2 with scale 1. `e4m3` is
 e4m3fn (e4m3fnuz on MI300, as in vLLM); results name each cache canonically (`float8_e4m3fn-head`).
 
+Each window runs the model's own attention once, then every cache: a cache's scores are final after
+its pass of the last window (`python -m fp8kv evaluate` prints each row then, through `on_row`).
+Interrupted (Ctrl-C; SIGTERM in the command), `EvaluationInterrupted` carries every cache's scores
+over the windows completed, which the command prints and writes (--json) before it exits with 130.
+
 Modules: pipeline (checks, tokenization, loading, `evaluate`), caches (the caches by name),
 metrics (the scores and the loop measuring them), results, rescale, plot. The command line is
 `fp8kv.commands.evaluate`.
 """
 
 from .caches import CACHES, SOURCES, UNQUANTIZED, cache_name, kv_cache_configs, label, per_tensor
-from .metrics import AttentionOutputs, LayerErrors, LogitScores, attention_modules, evaluate_model
+from .metrics import (AttentionOutputs, EvaluationInterrupted, LayerErrors, LogitScores, attention_modules,
+                      evaluate_model)
 from .pipeline import (DTYPES, check_options, environment, evaluate, load_model, model_directory, prepare,
                        token_windows)
 from .plot import plot_layer_errors
@@ -52,6 +58,7 @@ __all__ = [
     "attention_modules",
     "AttentionOutputs",
     "evaluate_model",
+    "EvaluationInterrupted",
     "token_windows",
     "per_tensor",
     "kv_cache_configs",

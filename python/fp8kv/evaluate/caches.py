@@ -1,11 +1,13 @@
 """The KV caches an evaluation can score, by name, and their configs for a model.
 
-A cache is named FORMAT[-RECIPE][-SOURCE]: FORMAT any FP8 format name (fp8kv.formats.format_names:
+A cache is named FORMAT[-RECIPE][-SOURCE][-fp8math]: FORMAT any FP8 format name (fp8kv.formats.format_names:
 e4m3, fp8_e4m3, float8_e4m3fn, e5m2, ...); RECIPE how K/V are stored (RECIPES, docs/rotated_cache.md):
-none for plain, `rotated`, `centred` for rotated + centred; SOURCE where its scales (and a centred
-cache's K offsets) come from (SOURCES): none for scale 1 (a centred cache's offsets then calibrated
-on the evaluation windows), `checkpoint` for a checkpoint's (the plain recipe's k_scale / v_scale, the
-rotated recipe's fp8kv_kv_cache.json), `tensor` / `head` for calibrated on the evaluation windows.
+left out (or PLAIN_NAMES) for plain, `rotated`, `centred` for rotated + centred; SOURCE where its
+scales (and a centred cache's K offsets) come from (SOURCES): left out for scale 1 (a centred cache's
+offsets then calibrated on the evaluation windows), `checkpoint` for a checkpoint's (the plain recipe's
+k_scale / v_scale, the rotated recipe's fp8kv_kv_cache.json), `tensor` / `head` for calibrated on the
+evaluation windows; `fp8math` attends to the cache in FP8 tensor-core math (`fp8_math`, docs/ops.md;
+e4m3fn and e5m2 caches, compute capability 9.0 GPUs), next to the same cache in 16-bit math.
 `cache_name` gives the one canonical spelling (`float8_e4m3fn-centred-tensor`).
 """
 
@@ -15,13 +17,16 @@ import dataclasses
 
 import torch
 
+from ..attention import FP8_MATH_FORMATS
 from ..formats import KVCacheConfig, KVCacheDtype, format_names
 from ..rotation import Rotation
 
 UNQUANTIZED = "auto"
 RECIPES = {"": "plain", "rotated": "rotated", "centred": "rotated + centred"}
+PLAIN_NAMES = ("plain", "none")  # the plain recipe spelled out (canonically it is left out)
 SOURCES = {"": "scale 1", "checkpoint": "checkpoint scales", "tensor": "calibrated per tensor",
            "head": "calibrated per head"}
+FP8_MATH = "fp8math"  # the last part of a cache attended to in FP8 math
 # Evaluated by default (the checkpoint's recipes only where it has them).
 CACHES = ("e4m3", "e4m3-checkpoint", "e4m3-tensor", "e4m3-head", "e4m3-rotated", "e4m3-centred",
           "e4m3-rotated-checkpoint", "e4m3-centred-checkpoint", "e5m2", "e5m2-rotated", "e5m2-centred")
@@ -30,23 +35,39 @@ CACHES = ("e4m3", "e4m3-checkpoint", "e4m3-tensor", "e4m3-head", "e4m3-rotated",
 def parse_cache(name: str) -> tuple[KVCacheDtype, str, str]:
     """The format, recipe and scale source of the cache `name`; ValueError saying what a name is."""
     text, *rest = name.split("-")
-    recipe = rest.pop(0) if rest and rest[0] and rest[0] in RECIPES else ""
+    fp8_math = bool(rest) and rest[-1] == FP8_MATH
+    if fp8_math:
+        rest.pop()
+    recipe = ""
+    if rest and rest[0] in PLAIN_NAMES:
+        rest.pop(0)
+    elif rest and rest[0] and rest[0] in RECIPES:
+        recipe = rest.pop(0)
     source = rest.pop(0) if rest and rest[0] and rest[0] in SOURCES else ""
     try:
         fmt = KVCacheDtype.parse(text)
     except ValueError:
         fmt = None
     if fmt is None or not fmt.is_fp8 or rest:
-        raise ValueError(f"unknown cache {name!r}: expected FORMAT[-RECIPE][-SOURCE], FORMAT one of "
-                         f"{format_names(lambda f: f.is_fp8)}; RECIPE one of {', '.join(filter(None, RECIPES))}; "
-                         f"SOURCE one of {', '.join(filter(None, SOURCES))}")
+        raise ValueError(f"unknown cache {name!r}: expected FORMAT[-RECIPE][-SOURCE][-{FP8_MATH}], FORMAT one of "
+                         f"{format_names(lambda f: f.is_fp8)}; RECIPE one of {', '.join(PLAIN_NAMES)} (or left out: "
+                         f"plain), {', '.join(filter(None, RECIPES))}; SOURCE one of "
+                         f"{', '.join(filter(None, SOURCES))} (or left out: scale 1)")
+    if fp8_math and fmt not in FP8_MATH_FORMATS:
+        raise ValueError(f"cache {name!r}: FP8 math ({FP8_MATH}) reads {FP8_MATH_FORMATS[0].value} and "
+                         f"{FP8_MATH_FORMATS[1].value} caches, not {fmt.value}")
     return fmt, recipe, source
+
+
+def fp8_math(name: str) -> bool:
+    """Whether the cache `name` is attended to in FP8 math."""
+    return name.endswith(f"-{FP8_MATH}")
 
 
 def cache_name(name: str) -> str:
     """The canonical name of the cache `name` (`e4m3-tensor` -> `float8_e4m3fn-tensor` off MI300)."""
     fmt, recipe, source = parse_cache(name)
-    return "-".join(part for part in (fmt.value, recipe, source) if part)
+    return "-".join(part for part in (fmt.value, recipe, source, FP8_MATH if fp8_math(name) else "") if part)
 
 
 def label(name: str) -> str:
@@ -57,7 +78,7 @@ def label(name: str) -> str:
         fmt, recipe, source = parse_cache(name)
     except ValueError:
         return name
-    return f"{fmt.value}, {RECIPES[recipe]}, {SOURCES[source]}"
+    return f"{fmt.value}, {RECIPES[recipe]}, {SOURCES[source]}" + (", FP8 math" if fp8_math(name) else "")
 
 
 def converted(kv_cache: KVCacheConfig, fmt: KVCacheDtype) -> KVCacheConfig:

@@ -9,7 +9,7 @@ import math
 import torch
 
 from ..formats import KVCacheConfig
-from .caches import label
+from .caches import fp8_math, label
 from .results import CacheResult, EvaluationResult
 
 _LOGIT_ROWS = 256  # rows of logits turned into float64 distributions at a time (memory bound)
@@ -128,12 +128,25 @@ class AttentionOutputs:
         return hook
 
 
+class EvaluationInterrupted(KeyboardInterrupt):
+    """evaluate_model interrupted (Ctrl-C): `result` scores every cache over the `completed` windows
+    done before it (None when none was), of the `windows` asked for."""
+
+    def __init__(self, result: EvaluationResult | None, completed: int, windows: int):
+        super().__init__(f"interrupted after {completed} of {windows} windows")
+        self.result, self.completed, self.windows = result, completed, windows
+
+
 def evaluate_model(model, windows: torch.Tensor, kv_caches: dict[str, KVCacheConfig], *, setup: dict | None = None,
-                   progress: bool = True) -> EvaluationResult:
+                   progress: bool = True, on_row=None) -> EvaluationResult:
     """Scores each cache of `kv_caches` (name -> config, labelled by caches.label) against the
     model's own SDPA attention, teacher-forced on `windows` ([count, seq_len] token ids).
 
     model: a transformers causal LM in float16 or bfloat16, on the device to evaluate on.
+    on_row(result): called as each cache's scores become final (in the last window, after its pass),
+        with the result of the caches final so far. Each window runs the model's own attention once
+        and then every cache, so no window's reference is kept or computed twice.
+    Interrupted, it raises EvaluationInterrupted with the scores over the windows completed.
     """
     from tqdm import tqdm
 
@@ -147,12 +160,24 @@ def evaluate_model(model, windows: torch.Tensor, kv_caches: dict[str, KVCacheCon
     device = next(model.parameters()).device
     logit_scores = {name: LogitScores() for name in kv_caches}
     layer_errors = {name: LayerErrors(len(modules)) for name in kv_caches}
+    setup = {"device": str(device), "dtype": str(model.dtype).removeprefix("torch."), **(setup or {})}
+
+    def result(names, completed: int) -> EvaluationResult:
+        caches = tuple(CacheResult(name, label(name), logit_scores[name].perplexity, logit_scores[name].mean_kl,
+                                   logit_scores[name].top1, layer_errors[name].relative(),
+                                   logit_scores[name].perplexity_noise) for name in names)
+        first = logit_scores[names[0]]
+        return EvaluationResult(first.reference_perplexity, first.count, completed, windows.shape[1], caches, setup)
+
+    names = list(kv_caches)
     implementation, was_training = model.config._attn_implementation, model.training
     bar = tqdm(total=len(windows) * (1 + len(kv_caches)), unit="pass", desc="evaluating", disable=not progress)
     model.eval()
+    completed, done = 0, None  # windows scored, and every cache's result over them
     try:
         with torch.no_grad(), AttentionOutputs(modules) as outputs:
             for window in windows:
+                last = completed + 1 == len(windows)
                 ids = window[None].to(device)
                 targets = ids[0, 1:]
                 outputs.record()
@@ -160,20 +185,20 @@ def evaluate_model(model, windows: torch.Tensor, kv_caches: dict[str, KVCacheCon
                 reference = model(input_ids=ids, use_cache=True).logits[0, :-1]
                 bar.update()
                 enable(model)
-                for name, kv_cache in kv_caches.items():
+                for position, (name, kv_cache) in enumerate(kv_caches.items()):
                     outputs.compare(layer_errors[name])
-                    cache = PagedCache(kv_cache, max_tokens=ids.shape[1])
+                    cache = PagedCache(kv_cache, max_tokens=ids.shape[1], fp8_math=fp8_math(name))
                     logits = model(input_ids=ids, **cache_argument(model, cache)).logits[0, :-1]
                     logit_scores[name].add(logits, reference, targets)
                     bar.update()
+                    if last and on_row is not None:
+                        on_row(result(names[:position + 1], len(windows)))
+                completed += 1
+                done = result(names, completed)
+    except KeyboardInterrupt:
+        raise EvaluationInterrupted(done, completed, len(windows)) from None
     finally:
         bar.close()
         model.set_attn_implementation(implementation)
         model.train(was_training)
-    first = next(iter(logit_scores.values()))
-    caches = tuple(CacheResult(name, label(name), scores.perplexity, scores.mean_kl, scores.top1,
-                               layer_errors[name].relative(), scores.perplexity_noise)
-                   for name, scores in logit_scores.items())
-    setup = {"device": str(device), "dtype": str(model.dtype).removeprefix("torch."), **(setup or {})}
-    return EvaluationResult(first.reference_perplexity, first.count, windows.shape[0], windows.shape[1], caches,
-                            setup)
+    return done

@@ -12,10 +12,13 @@ from ..checkpoint.per_rank import load_kv_cache_config
 from ..checkpoint.problems import CheckpointError
 from ..checkpoint.reading import read_checkpoint_scales
 from ..checkpoint.rotated_recipe import RECIPE_FILE
+from .._ops import supported_values
+from ..attention import FP8_MATH_FORMATS
 from ..formats import KVCacheConfig
 from ..loading import WeightsMismatchError, load_causal_lm
 from ..rotation import Rotation
-from .caches import CACHES, UNQUANTIZED, cache_name, checkpoint_recipe, kv_cache_configs, parse_cache
+from .caches import (CACHES, FP8_MATH, UNQUANTIZED, cache_name, checkpoint_recipe, fp8_math, kv_cache_configs,
+                     parse_cache)
 from .metrics import evaluate_model
 from .results import EvaluationResult
 
@@ -76,7 +79,7 @@ def _checkpoint_configs(model_dir: pathlib.Path, scales, num_layers: int,
     source = pathlib.Path(scales) if scales is not None else model_dir
     found = read_checkpoint_scales(source)
     if found.problems:
-        raise CheckpointError(found.problems)
+        raise ValueError(f"{'--scales' if scales is not None else '--model'}: {CheckpointError(found.problems)}")
     if not (found.has_scales or found.rotated):
         if scales is not None:
             raise ValueError(f"--scales: {source} has no KV cache scales")
@@ -98,6 +101,25 @@ def _available(name: str, checkpoint: dict[Rotation, KVCacheConfig]) -> bool:
     return source != "checkpoint" or checkpoint_recipe(checkpoint, recipe) is not None
 
 
+def with_fp8_math(caches) -> tuple[str, ...]:
+    """`caches` with, after each e4m3fn or e5m2 cache in 16-bit math, the same cache in FP8 math."""
+    twins = []
+    for name in caches:
+        twins.append(name)
+        if not fp8_math(name) and parse_cache(name)[0] in FP8_MATH_FORMATS:
+            twins.append(f"{name}-{FP8_MATH}")
+    return tuple(dict.fromkeys(twins))
+
+
+def _check_fp8_math_device(caches, device: torch.device) -> None:
+    """FP8 math runs on compute capability 9.0 GPUs: refused before the model loads elsewhere."""
+    names = [name for name in caches if fp8_math(name)]
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if names and capability != tuple(supported_values("cuda_sm90a_capability")):
+        where = device.type if capability is None else f"{device} of compute capability {capability[0]}.{capability[1]}"
+        raise ValueError(f"--kv-cache-dtype {names[0]}: FP8 math runs on compute capability 9.0 GPUs, not on {where}")
+
+
 def check_options(caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None, device=None,
                   dtype: torch.dtype | str = torch.bfloat16):
     """The checks that need no model: (cache names or None, torch.device, torch.dtype)."""
@@ -108,16 +130,18 @@ def check_options(caches=None, *, seq_len: int = 2048, windows: int = 16, scales
         raise ValueError(f"--dtype: the paged cache runs models in {' or '.join(DTYPES)}, got {dtype}")
     if scales is not None and not (pathlib.Path(scales) / "config.json").is_file():
         raise ValueError(f"--scales: {scales} is not a checkpoint directory (no config.json)")
+    device = _device(device)
     if caches is not None:
         try:
             caches = tuple(dict.fromkeys(cache_name(name) for name in caches if name != UNQUANTIZED))
         except ValueError as e:
             raise ValueError(f"--kv-cache-dtype: {e}") from None
-    return caches, _device(device), dtype
+        _check_fp8_math_device(caches, device)
+    return caches, device, dtype
 
 
 def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None, device=None,
-            dtype: torch.dtype | str = torch.bfloat16) -> _Plan:
+            dtype: torch.dtype | str = torch.bfloat16, fp8_math_rows: bool = False) -> _Plan:
     """Checks every argument and tokenizes the text, without loading the model's weights."""
     from transformers import AutoConfig, AutoTokenizer
 
@@ -131,6 +155,9 @@ def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: 
     checkpoint = _checkpoint_configs(model_dir, scales, config.num_hidden_layers, num_kv_heads)
     if caches is None:
         caches = tuple(cache_name(name) for name in CACHES if _available(name, checkpoint))
+    if fp8_math_rows:
+        caches = with_fp8_math(caches)
+        _check_fp8_math_device(caches, device)
     for name in caches:
         if not _available(name, checkpoint):
             raise ValueError(f"--kv-cache-dtype: {name} needs that recipe's KV cache scales (the plain recipe's "
@@ -150,20 +177,23 @@ def prepare(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: 
 
 def evaluate(model_dir, text: str, caches=None, *, seq_len: int = 2048, windows: int = 16, scales=None,
              device=None, dtype: torch.dtype | str = torch.bfloat16, progress: bool = True,
-             setup: dict | None = None) -> EvaluationResult:
+             setup: dict | None = None, on_row=None, fp8_math_rows: bool = False) -> EvaluationResult:
     """Scores the unquantized paged cache and each of `caches` (FORMAT[-RECIPE][-SOURCE] names, see
     caches; default: those of CACHES that apply) on `windows` windows of `seq_len` tokens of `text`,
     with the model of `model_dir` in `dtype` on `device` (default: CUDA when available). `scales`: a
     checkpoint directory whose scales `-checkpoint` caches use (default: the model's own, if any).
+    on_row: as evaluate_model's (each cache's result as it is final); interrupted, evaluate_model's
+    EvaluationInterrupted carries the scores over the windows completed. fp8_math_rows: each e4m3fn /
+    e5m2 cache also in FP8 math (with_fp8_math).
 
-    Raises ValueError (or CheckpointError) naming the command-line option for bad arguments,
-    before the model's weights are loaded.
+    Raises ValueError naming the command-line option for bad arguments and files, before the
+    model's weights are loaded.
     """
     plan = prepare(model_dir, text, caches, seq_len=seq_len, windows=windows, scales=scales, device=device,
-                   dtype=dtype)
+                   dtype=dtype, fp8_math_rows=fp8_math_rows)
     model = load_model(plan, progress=progress)
     kv_caches = kv_cache_configs(model, plan.windows, plan.caches, checkpoint=plan.checkpoint, progress=progress)
-    return evaluate_model(model, plan.windows, kv_caches, progress=progress,
+    return evaluate_model(model, plan.windows, kv_caches, progress=progress, on_row=on_row,
                           setup={"model": str(plan.model_dir), **(setup or {}), **environment(plan)})
 
 
@@ -171,7 +201,7 @@ def load_model(plan: _Plan, progress: bool = True):
     """The plan's model in its dtype on its device, in eval mode with transformers' SDPA attention."""
     try:
         model = load_causal_lm(plan.model_dir, plan.dtype, progress=progress)
-    except WeightsMismatchError as e:
+    except (WeightsMismatchError, CheckpointError) as e:
         raise ValueError(f"--model: {e}") from None
     except (OSError, ImportError) as e:
         raise ValueError(f"--model: transformers cannot load {plan.model_dir}: {e}") from None

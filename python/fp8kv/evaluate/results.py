@@ -40,6 +40,11 @@ class EvaluationResult:
 
     def table(self) -> str:
         """A markdown table of every cache, under a line saying what was measured."""
+        return "\n".join(self.table_lines() + self._small_sample_caveat())
+
+    def table_lines(self) -> list[str]:
+        """The table's lines before its closing caveat: what was measured, the heading, a row per cache (so a
+        result of more caches extends a smaller one's lines)."""
         setup = self.setup
         windows = f"{self.windows} window{'' if self.windows == 1 else 's'}"
         lines = [f"{setup.get('model', 'model')}: {windows} x {self.seq_len} tokens "
@@ -53,7 +58,7 @@ class EvaluationResult:
             lines.append(f"| {c.label} | {c.perplexity:.4f} | {change:+.2%} | {c.kl:.2e} | {c.top1:.1%} | "
                          f"{sum(c.layer_errors) / len(c.layer_errors):.2e} / {c.layer_errors[worst]:.2e} "
                          f"(layer {worst}) |")
-        return "\n".join(lines + self._small_sample_caveat())
+        return lines
 
     def _small_sample_caveat(self) -> list[str]:
         """A line saying which perplexity changes are noise, when the sample cannot resolve RESOLVED_CHANGE."""

@@ -36,7 +36,7 @@ import torch
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..attention import LayerAttentions, mark_static
+from ..attention import LayerAttentions, check_fp8_math, mark_static
 from ..cache import BatchMetadata, CacheFullError, FixedBatch, PagedKVCache
 from ..formats import KVCacheConfig
 from . import transformers_continuous_batching as continuous_batching
@@ -79,7 +79,7 @@ def enable(model):
     return model
 
 
-def enable_continuous_batching(model, kv_cache: KVCacheConfig):
+def enable_continuous_batching(model, kv_cache: KVCacheConfig, *, fp8_math: bool = False):
     """Switches `model` to fp8kv attention for transformers' continuous batching (`generate_batch`,
     `init_continuous_batching`, `continuous_batching_context_manager`): transformers' paged cache
     then holds pages in `kv_cache`'s format, recipe and scales, which fp8kv's ops write and read.
@@ -98,14 +98,18 @@ def enable_continuous_batching(model, kv_cache: KVCacheConfig):
     scales and K offsets are sliced to this rank's heads as load_kv_cache_config(tp_rank=,
     tp_size=) slices them; or this rank's own (from that call with this rank), used as it is.
     Per-tensor scales are used as they are. Per-head values for any other number of heads are
-    refused, naming both counts (without tensor parallelism too)."""
+    refused, naming both counts (without tensor parallelism too).
+
+    fp8_math: the steps' multi-token queries (prompts) in FP8 tensor-core math (PagedAttention's
+    `fp8_math`): an e4m3fn or e5m2 cache on a compute capability 9.0 GPU."""
     if not isinstance(kv_cache, KVCacheConfig):
         raise TypeError(f"kv_cache must be a KVCacheConfig, got {type(kv_cache).__name__}")
+    check_fp8_math(fp8_math, kv_cache.dtype)
     continuous_batching.install_hooks()
     continuous_batching.check_model(model, kv_cache)
     rank_kv_cache = continuous_batching.rank_kv_cache(model, kv_cache)
     enable(model)
-    continuous_batching.enable_model(model, rank_kv_cache, ATTN_IMPLEMENTATION)
+    continuous_batching.enable_model(model, rank_kv_cache, ATTN_IMPLEMENTATION, fp8_math)
     return model
 
 
@@ -150,8 +154,9 @@ class _PagedState:
     the layers' PagedAttention modules. It refers to neither the PagedCache nor its layers, so the
     storage goes as soon as the last reference to the cache does (no cycle left for gc to find)."""
 
-    def __init__(self, kv_cache: KVCacheConfig, num_blocks: int, block_size: int, layout: str):
+    def __init__(self, kv_cache: KVCacheConfig, num_blocks: int, block_size: int, layout: str, fp8_math: bool):
         self.kv_cache, self.num_blocks, self.block_size, self.layout = kv_cache, num_blocks, block_size, layout
+        self.fp8_math = fp8_math
         self.paged: PagedKVCache | None = None
         self.batch: FixedBatch | None = None
         self.seen: torch.Tensor | None = None  # positions given so far, padding included (transformers' count)
@@ -186,7 +191,7 @@ class _PagedState:
                                       num_blocks=self.num_blocks, block_size=self.block_size,
                                       model_dtype=key.dtype, device=key.device, layout=self.layout)
             self.seen = torch.zeros((), dtype=torch.int64, device=key.device)
-            self.attention = LayerAttentions(self.kv_cache, key.device)
+            self.attention = LayerAttentions(self.kv_cache, key.device, self.fp8_math)
             mark_static(self.paged.storage, self.seen)
 
     def attend(self, layer_idx, query, key, value, new_tokens, scaling, sliding_window, softcap,
@@ -318,6 +323,8 @@ class PagedCache(Cache):
     compileable: lets `generate` compile the decode step (transformers' static-cache path: on CUDA
         by default, elsewhere with `compile_config._compile_all_devices`); `generate(...,
         disable_compile=True)` turns it off for one call.
+    fp8_math: the prompts' attention in FP8 tensor-core math (PagedAttention's `fp8_math`): an
+        e4m3fn or e5m2 cache on a compute capability 9.0 GPU.
     The storage is allocated at the first forward, on the model's device, with the model's KV head
     count and head size. Batch row i is sequence i; left padding is skipped, never cached. A step
     past a sequence's share raises CacheFullError: at once on the host for a prefill, and for a
@@ -326,12 +333,13 @@ class PagedCache(Cache):
     """
 
     def __init__(self, kv_cache: KVCacheConfig, *, max_tokens: int, block_size: int = 16, layout: str = "NHD",
-                 compileable: bool = False):
+                 compileable: bool = False, fp8_math: bool = False):
         if not isinstance(kv_cache, KVCacheConfig):
             raise TypeError(f"kv_cache must be a KVCacheConfig, got {type(kv_cache).__name__}")
+        check_fp8_math(fp8_math, kv_cache.dtype)
         if max_tokens <= 0 or block_size <= 0:
             raise ValueError(f"max_tokens and block_size must be positive, got {max_tokens} and {block_size}")
-        self._state = _PagedState(kv_cache, math.ceil(max_tokens / block_size), block_size, layout)
+        self._state = _PagedState(kv_cache, math.ceil(max_tokens / block_size), block_size, layout, fp8_math)
         super().__init__(layers=[_PagedLayer(self._state, i, compileable) for i in range(kv_cache.num_layers)])
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -223,6 +223,7 @@ def install_hooks() -> None:
 class _Enabled(NamedTuple):
     kv_cache: KVCacheConfig
     model_dtype: torch.dtype  # the activations' dtype
+    fp8_math: bool
 
 
 class _EnabledConfigs:
@@ -322,10 +323,10 @@ def rank_kv_cache(model, kv_cache: KVCacheConfig) -> KVCacheConfig:
                      f"(load_kv_cache_config(..., tp_rank={tp_rank}, tp_size={tp_size}))")
 
 
-def enable_model(model, kv_cache: KVCacheConfig, attn_implementation: str) -> None:
+def enable_model(model, kv_cache: KVCacheConfig, attn_implementation: str, fp8_math: bool) -> None:
     """Gives `model`'s continuous batching `kv_cache`'s pages (its attention must be, and stay,
-    `attn_implementation`, fp8kv's)."""
-    _ENABLED.add(model.config.get_text_config(), attn_implementation, _Enabled(kv_cache, model.dtype))
+    `attn_implementation`, fp8kv's), attended in FP8 math where `fp8_math`."""
+    _ENABLED.add(model.config.get_text_config(), attn_implementation, _Enabled(kv_cache, model.dtype, fp8_math))
 
 
 # ----------------------------------------------------------------------------- the hooks
@@ -351,7 +352,7 @@ def _allocating_fp8_pages(original):
         arguments["dtype"] = kv_cache.torch_dtype(arguments["dtype"])
         original(*bound.args, **bound.kwargs)
         cache = arguments["self"]
-        _CACHES[cache] = _CacheState(kv_cache, device, _pads_steps(batching))
+        _CACHES[cache] = _CacheState(kv_cache, device, _pads_steps(batching), enabled.fp8_math)
         logger.info("%s", describe(cache))
 
     return __init__
@@ -449,9 +450,9 @@ class _CacheState:
     index tensors of the step being run (derived once per step, for every layer; `padded`: whether
     transformers pads the steps, see _step_metadata)."""
 
-    def __init__(self, kv_cache: KVCacheConfig, device: torch.device, padded: bool):
+    def __init__(self, kv_cache: KVCacheConfig, device: torch.device, padded: bool, fp8_math: bool):
         self.kv_cache, self.padded = kv_cache, padded
-        self.layers = LayerAttentions(kv_cache, device)
+        self.layers = LayerAttentions(kv_cache, device, fp8_math)
         self._caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._step: tuple[weakref.ref, bool, BatchMetadata] | None = None
 

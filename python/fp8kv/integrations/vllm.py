@@ -44,7 +44,24 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, BACKEND_CLASS)
+        register_backend(BACKEND_NAME, _BackendClass(BACKEND_CLASS))
+
+
+class _BackendClass(str):
+    """The value of the registry's FP8KV member: the backend's class path, registering the backend
+    wherever it is unpickled. vLLM sends its config, the selected member with it, to the processes
+    it spawns (the engine core, the workers), and an enum member is unpickled by its value before
+    those processes load their plugins: without this, FP8KV would not exist there yet."""
+
+    def __reduce__(self):
+        return _registered_class, ()
+
+
+def _registered_class() -> str:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    register()
+    return AttentionBackendEnum[BACKEND_NAME].value
 
 
 def cache_format(kv_cache_dtype: str, platform_fp8: torch.dtype) -> torch.dtype | None:
@@ -95,26 +112,31 @@ class AttentionMetadata:
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             fp8: torch.dtype | None, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+             fp8: torch.dtype | None, k_scale: torch.Tensor, v_scale: torch.Tensor, hadamard: bool = False,
+             k_offset: torch.Tensor | None = None) -> None:
     """Quantizes `key`/`value` [num_tokens, num_kv_heads, head_size] into their slots of one layer's vLLM
-    page (a negative slot skips its token)."""
+    page (a negative slot skips its token); `hadamard` and `k_offset` as fp8kv's ops take them (the
+    rotated recipe: docs/rotated_cache.md)."""
     key_cache, value_cache = kv_cache_halves(kv_cache, key.shape[-1], fp8)
     ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, scale_vector(k_scale),
-                          scale_vector(v_scale))
+                          scale_vector(v_scale), hadamard, k_offset)
 
 
 def attend(output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
            fp8: torch.dtype | None, softmax_scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
-           sliding_window: int = -1, logits_soft_cap: float = 0.0) -> None:
+           sliding_window: int = -1, logits_soft_cap: float = 0.0, hadamard: bool = False,
+           k_offset: torch.Tensor | None = None) -> None:
     """Attention of `query` [num_tokens, num_heads, head_size] over one layer's vLLM page, written into
-    `output` (same shape): the decode rows in one call, the other requests' rows in a second."""
+    `output` (same shape): the decode rows in one call, the other requests' rows in a second. The
+    recipe's arguments must be those the page was written with."""
     key_cache, value_cache = kv_cache_halves(kv_cache, query.shape[-1], fp8)
     k_scale, v_scale = scale_vector(k_scale), scale_vector(v_scale)
+    options = (sliding_window, logits_soft_cap, hadamard, k_offset)
     m, d = metadata, metadata.num_decodes
     if d:
         ops.paged_attention(output[:d], query[:d], key_cache, value_cache, m.block_table[:d], m.seq_lens[:d], None,
-                            softmax_scale, k_scale, v_scale, sliding_window, logits_soft_cap)
+                            softmax_scale, k_scale, v_scale, *options)
     if m.query_start_loc is not None:
         rows = slice(d, m.num_query_rows)
         ops.paged_attention(output[rows], query[rows], key_cache, value_cache, m.block_table[d:], m.seq_lens[d:],
-                            m.query_start_loc, softmax_scale, k_scale, v_scale, sliding_window, logits_soft_cap)
+                            m.query_start_loc, softmax_scale, k_scale, v_scale, *options)

@@ -14,6 +14,9 @@ from typing import ClassVar
 import torch
 import vllm
 from packaging.version import Version
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.models.utils import extract_layer_index
 from vllm.platforms import current_platform
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl, AttentionMetadataBuilder,
@@ -21,14 +24,26 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from .._ops import has_cuda_kernels, supported_values
+from ..formats import KVCacheConfig
+from ..rotation import Rotation
 from .vllm import BACKEND_NAME, KV_CACHE_DTYPES, SUPPORTED_VLLM, AttentionMetadata, attend, cache_format, write_kv
+from .vllm_recipe import ROTATION_KEY, chosen_rotation, rotated_recipe
 
 
-def runs_on(capability: DeviceCapability) -> bool:
+def runs_on(capability: DeviceCapability | None) -> bool:
     """The NVIDIA GPUs the CUDA kernels are built for by default (TORCH_CUDA_ARCH_LIST 8.0;8.9;9.0a):
     sm_80 code runs on every 8.x device, the sm_90a code on 9.0 (H100, H200); there is none for 10.0
-    and later. vLLM reports AMD's MI300 as 9.4: not one of these."""
+    and later. vLLM reports AMD's MI300 as 9.4: not one of these. A platform without a compute
+    capability (None) is one only where it is vLLM's CPU platform: fp8kv's CPU kernels."""
+    if capability is None:
+        return current_platform.is_cpu()
     return capability.major == 8 or capability == DeviceCapability(9, 0)
+
+
+def checkpoint_recipe(config: VllmConfig, fp8: torch.dtype | None) -> KVCacheConfig:
+    """This tensor-parallel rank's rotated recipe for the model vLLM serves (vllm_recipe.rotated_recipe)."""
+    return rotated_recipe(config.model_config.model, fp8, get_tensor_model_parallel_rank(),
+                          get_tensor_model_parallel_world_size())
 
 
 class Fp8kvAttentionBackend(AttentionBackend):
@@ -135,10 +150,49 @@ class Fp8kvAttentionImpl(AttentionImpl[AttentionMetadata]):
         self.fp8 = cache_format(kv_cache_dtype, current_platform.fp8_dtype())
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        # The rotated recipe (vllm_recipe says how it is chosen): the model's recipe is read here, at
+        # model construction, and this layer's scales and K offset are bound once the weights are
+        # loaded (process_weights_after_loading), when the layer's name and device are known.
+        config = get_current_vllm_config()
+        self.rotated: KVCacheConfig | None = None
+        self.recipe: LayerRecipe | None = None
+        if chosen_rotation(config.additional_config) is Rotation.HADAMARD:
+            refused = {"speculative decoding (a draft model's layers are not the checkpoint's)":
+                       config.speculative_config is not None,
+                       "a layer reading another layer's cache (kv_sharing_target_layer_name)":
+                       kv_sharing_target_layer_name is not None}
+            for what, present in refused.items():
+                if present:
+                    raise NotImplementedError(f"fp8kv's rotated recipe ({ROTATION_KEY} 'hadamard') does not support "
+                                              f"{what}")
+            self.rotated = checkpoint_recipe(config, self.fp8)
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        if self.rotated is None:
+            return
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        name = next(name for name, layer in context.items() if getattr(layer, "impl", None) is self)
+        index, device = extract_layer_index(name), context[name]._k_scale.device
+        if not 0 <= index < self.rotated.num_layers:
+            raise ValueError(f"fp8kv's rotated recipe: layer {name!r} (index {index}) is not one of the checkpoint's "
+                             f"{self.rotated.num_layers} layers ({self.rotated.source})")
+        self.recipe = LayerRecipe(self.rotated.k_scale(index, device), self.rotated.v_scale(index, device),
+                                  self.rotated.k_offset(index, device))
+
+    def _recipe(self, layer: torch.nn.Module) -> dict:
+        """write_kv's and attend's recipe arguments: the plain recipe with the scales vLLM holds, or
+        the rotated one bound for this layer."""
+        if self.rotated is None:
+            return {"k_scale": layer._k_scale, "v_scale": layer._v_scale}
+        if self.recipe is None:
+            raise RuntimeError("fp8kv's rotated recipe is bound to a layer when vLLM has loaded the model's weights "
+                               "(process_weights_after_loading), which has not happened for this layer")
+        return {"k_scale": self.recipe.k_scale, "v_scale": self.recipe.v_scale, "hadamard": True,
+                "k_offset": self.recipe.k_offset}
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        write_kv(key, value, kv_cache, slot_mapping, self.fp8, layer._k_scale, layer._v_scale)
+        write_kv(key, value, kv_cache, slot_mapping, self.fp8, **self._recipe(layer))
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata, output: torch.Tensor,
@@ -148,6 +202,15 @@ class Fp8kvAttentionImpl(AttentionImpl[AttentionMetadata]):
             raise NotImplementedError("fp8kv's attention backend does not quantize its output (output_scale)")
         if attn_metadata is None:  # vLLM's profiling run, before there is a cache
             return output.fill_(0)
-        attend(output, query, kv_cache, attn_metadata, self.fp8, self.scale, layer._k_scale, layer._v_scale,
-               self.sliding_window, self.logits_soft_cap)
+        attend(output, query, kv_cache, attn_metadata, self.fp8, self.scale, sliding_window=self.sliding_window,
+               logits_soft_cap=self.logits_soft_cap, **self._recipe(layer))
         return output
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRecipe:
+    """One layer's rotated recipe on its device: float32 scales [1] or [num_kv_heads], K offset
+    [num_kv_heads, head_size] or None (rotated, not centred)."""
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    k_offset: torch.Tensor | None
