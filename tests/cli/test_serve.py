@@ -20,9 +20,8 @@ import urllib.request
 
 import pytest
 import torch
-import openai
 from served import (BLOCK_BYTES, CUDA_STARTUP_S, KV_CACHE_GIB, LAYERS, MAX_TOKENS, PAGE, STARTUP_S,
-                    STOP_S, V_SCALE, Server, transformers, write_checkpoint)
+                    STOP_S, V_SCALE, Server, openai, transformers, write_checkpoint)
 from safetensors.torch import load_file, save_file
 
 from checkpoints import scale_tensors

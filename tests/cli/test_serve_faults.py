@@ -12,9 +12,8 @@ import signal
 import threading
 import time
 
-import openai
 import pytest
-from served import MAX_TOKENS, STOP_S, Server, write_checkpoint
+from served import MAX_TOKENS, STOP_S, Server, openai, write_checkpoint
 
 from fp8kv.integrations.transformers_continuous_batching import UnsupportedTransformersError, install_hooks
 

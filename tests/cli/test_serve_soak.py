@@ -21,9 +21,8 @@ import re
 import threading
 import time
 
-import psutil
 import pytest
-from served import BLOCK_BYTES, STOP_S, Server, write_checkpoint
+from served import BLOCK_BYTES, STOP_S, Server, psutil, write_checkpoint
 
 from fp8kv.integrations.transformers_continuous_batching import UnsupportedTransformersError, install_hooks
 
