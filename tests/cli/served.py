@@ -25,6 +25,13 @@ fastapi, uvicorn, openai, psutil = (pytest.importorskip(package, reason=SKIP_REA
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from checkpoints import scale_tensors  # noqa: E402
+from fp8kv.integrations.transformers_continuous_batching import (UnsupportedTransformersError,  # noqa: E402
+                                                                  install_hooks)
+
+try:  # what the server does first with the model: refused outside the transformers releases it supports
+    install_hooks()
+except UnsupportedTransformersError as e:
+    pytest.skip(str(e), allow_module_level=True)
 
 LAYERS, KV_HEADS, HEAD_SIZE, VOCAB = 2, 2, 64, 64
 PAGE = 256  # transformers' page size, in tokens

@@ -30,14 +30,8 @@ from fp8kv.cli import main
 from fp8kv.commands.arguments import FP8
 from fp8kv.formats import KVCacheConfig, format_names
 from fp8kv.integrations.transformers import PagedCache, cache_argument, enable
-from fp8kv.integrations.transformers_continuous_batching import (UnsupportedTransformersError,
-                                                                  install_hooks)
 from fp8kv.loading import load_causal_lm
 
-try:  # what the server does first with the model: refused outside the transformers releases it supports
-    install_hooks()
-except UnsupportedTransformersError as e:
-    pytest.skip(str(e), allow_module_level=True)
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

@@ -15,12 +15,6 @@ import time
 import pytest
 from served import MAX_TOKENS, STOP_S, Server, openai, write_checkpoint
 
-from fp8kv.integrations.transformers_continuous_batching import UnsupportedTransformersError, install_hooks
-
-try:
-    install_hooks()
-except UnsupportedTransformersError as e:
-    pytest.skip(str(e), allow_module_level=True)
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 

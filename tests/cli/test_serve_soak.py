@@ -21,15 +21,8 @@ import re
 import threading
 import time
 
-import pytest
 from served import BLOCK_BYTES, STOP_S, Server, psutil, write_checkpoint
 
-from fp8kv.integrations.transformers_continuous_batching import UnsupportedTransformersError, install_hooks
-
-try:
-    install_hooks()
-except UnsupportedTransformersError as e:
-    pytest.skip(str(e), allow_module_level=True)
 
 SOAK_S = float(os.environ.get("FP8KV_SOAK_S", "60"))
 CLIENTS, SEED = 64, 0
