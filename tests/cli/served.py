@@ -45,10 +45,11 @@ CUDA_STARTUP_S = 600
 MAX_TOKENS = 12
 
 
-def write_checkpoint(directory: pathlib.Path, initializer_range: float = 0.02, context: int = 256) -> pathlib.Path:
+def write_checkpoint(directory: pathlib.Path, initializer_range: float = 0.02, context: int = 256,
+                     ends: bool = True) -> pathlib.Path:
     """A tiny random Llama (2 layers, 4 query and 2 KV heads of 64, `context` positions) with per-layer KV
     cache scales, and a word-level tokenizer with a chat template (no download), in `directory`. Word
-    "w{i}" is token i + 3."""
+    "w{i}" is token i + 3. Where not `ends`, the model has no EOS token: its answers run to max_tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     words = ["<bos>", "<unk>", "<eos>"] + [f"w{i}" for i in range(VOCAB - 3)]
@@ -59,8 +60,8 @@ def write_checkpoint(directory: pathlib.Path, initializer_range: float = 0.02, c
     fast.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
                                       num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=KV_HEADS,
-                                      max_position_embeddings=context, bos_token_id=0, eos_token_id=2,
-                                      initializer_range=initializer_range)
+                                      max_position_embeddings=context, bos_token_id=0,
+                                      eos_token_id=2 if ends else None, initializer_range=initializer_range)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     fast.save_pretrained(directory)

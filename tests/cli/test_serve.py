@@ -134,6 +134,19 @@ def test_each_answer_carries_its_request_id(server, stream, given):
     assert request_ids[0] == given if given else len(request_ids[0]) == 36, request_ids
 
 
+def test_a_model_without_an_eos_token_answers_up_to_max_tokens(tmp_path):
+    """transformers' worker takes such a model's eos_token_id (None) as -1: requests, whose own configs say None,
+    were refused for asking for another generation config."""
+    served = Server(write_checkpoint(tmp_path / "endless", ends=False), tmp_path / "server.log")
+    try:
+        for stream in (False, True):
+            assert served.chat(PROMPTS[0], stream=stream, max_tokens=40)[1] == "length"
+        status, body = served.post({"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 40})
+        assert status == 200 and body["usage"]["completion_tokens"] == 40, body
+    finally:
+        served.close()
+
+
 def test_the_request_id_middleware_is_replaced_where_there_is_exactly_one():
     """Where transformers' id middleware were not found, both would run, each giving its own id."""
     from fastapi import FastAPI

@@ -319,9 +319,10 @@ def test_health_says_whether_the_worker_runs(checkpoint, monkeypatch):
 @pytest.mark.parametrize("sent, status", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)],
                          ids=["SIGTERM", "SIGINT"])
 def test_a_signal_ends_the_requests_still_running_after_the_shutdown_timeout(tmp_path, sent, status):
-    """Two generations of 3000 tokens (minutes on this CPU) are in flight, one streamed: the signal stops
-    the server, which ends both with an error once --shutdown-timeout (1 s) is over; the process ends."""
-    checkpoint = write_checkpoint(tmp_path / "long", context=4096)
+    """Two generations of 3000 tokens (seconds on this CPU at the least; the model has no EOS, which a near
+    tie could make it reach early) are in flight, one streamed: the signal stops the server, which ends
+    both with an error once --shutdown-timeout (1 s) is over; the process ends."""
+    checkpoint = write_checkpoint(tmp_path / "long", context=4096, ends=False)
     served = Server(checkpoint, tmp_path / "server.log", args=("--shutdown-timeout", "1"))
     try:
         plain = {}
@@ -351,7 +352,7 @@ def test_a_signal_ends_the_requests_still_running_after_the_shutdown_timeout(tmp
 
 
 def test_a_second_signal_ends_the_requests_at_once(tmp_path):
-    checkpoint = write_checkpoint(tmp_path / "long", context=4096)
+    checkpoint = write_checkpoint(tmp_path / "long", context=4096, ends=False)
     served = Server(checkpoint, tmp_path / "server.log", args=("--shutdown-timeout", "600"))
     try:
         stream = served.client.chat.completions.create(model=served.name, stream=True, max_tokens=3000,

@@ -19,6 +19,7 @@ fields are checked (serve_requests) before transformers' handlers read them.
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import logging
 import math
@@ -287,7 +288,9 @@ class Server:
         shared = self.generating[0]._build_generation_config({}, self.model.generation_config, use_cb=True)
         for handler in self.generating:
             handler.shared = shared
-        self.worker.init_cb(self.model, shared)
+        # A copy: transformers changes the worker's (an eos_token_id None becomes -1), which the requests' own
+        # configs, compared with `shared`, do not.
+        self.worker.init_cb(self.model, copy.deepcopy(shared))
         # The worker allocates the cache in its thread and would log a failure with its traceback: reported here in
         # one line instead (its log stays quiet while it stops).
         worker_log = logging.getLogger("ContinuousBatchingLogger")
