@@ -161,7 +161,11 @@ def test_lse_of_the_rotated_recipe_keeps_the_k_offset(any_kernel, centred, soft_
         per_head_scales=True, centred=centred, logits_soft_cap=soft_cap, key_shift=3.0, seed=7, device=any_kernel)
     out, lse = run_with_lse(inputs, transposed=False, hadamard=True, k_offset=inputs.k_offset)
     want, bound, _ = lse_reference(inputs, inputs.k_offset, rotated=True)
-    assert_lse_within(lse, want, 2 * bound + product_roundoff(inputs, any_kernel), "rotated lse")
+    # The CUDA kernels also round the rotated query to their 16-bit product type (docs/ops.md): a logit
+    # moves by up to that type's unit roundoff times softmax_scale * sum |q'_i k_i| over the stored keys.
+    _, _, stored_magnitudes = lse_reference(inputs, rotated=True)
+    bound = 2 * bound + product_roundoff(inputs, any_kernel) * (1 + stored_magnitudes)
+    assert_lse_within(lse, want, bound, "rotated lse")
     assert_within(out, inputs.reference(), "out beside lse")
 
 
