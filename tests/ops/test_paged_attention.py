@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import math
 import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -213,6 +216,26 @@ def test_cpu_rows_do_not_depend_on_the_rows_computed_with_them(window):
     assert torch.equal(torch.cat([prompt_rows(0, 100), prompt_rows(100, 290), prompt_rows(290, 300)]), whole)
     for token in (0, 150, 255, 256, 299):
         assert torch.equal(prompt_rows(token, token + 1, decode=True), whole[token:token + 1]), token
+
+
+NARROWER_CAPABILITIES = {"AVX512": ["avx2", "default"], "AVX2": ["default"]}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="torch's CPU capabilities are x86's")
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_cpu_narrower_vectors(capability):
+    """The CPU kernel uses the vector width of torch's CPU capability, which ATEN_CPU_CAPABILITY
+    lowers: the long-prompt (decode rows among them) and row-independence cases pass again in a child
+    process on each width narrower than this machine's."""
+    if capability not in NARROWER_CAPABILITIES.get(torch.backends.cpu.get_cpu_capability(), []):
+        pytest.skip(f"{capability} is not narrower than this machine's {torch.backends.cpu.get_cpu_capability()}")
+    cases = "cpu and (test_long_prompts or test_cpu_rows_do_not_depend)"
+    child = (f"import sys, torch, pytest; assert torch.backends.cpu.get_cpu_capability() == {capability.upper()!r}; "
+             f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', {cases!r}]))")
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                            env={**os.environ, "ATEN_CPU_CAPABILITY": capability})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
 
 
 # ----------------------------------------------------------------------------------------------
