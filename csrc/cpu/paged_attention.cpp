@@ -1,58 +1,81 @@
-// CPU paged attention over an FP8 (or unquantized) cache.
+// CPU paged attention over an FP8 (or unquantized) cache, tiled as flash attention.
 //
-// Work item: one sequence, one KV head, and a chunk of up to kQueryChunk query tokens; its rows are
-// those tokens times the KV head's group of query heads, so each cache tile is dequantized once for
-// the whole group. Keys are consumed in tiles of kKeyTile with an online softmax, so scratch memory
-// is bounded by the tile and the chunk, not by the sequence length.
+// Work item: one sequence, one KV head and up to kQueryChunk of its query tokens; its rows are those
+// tokens times the KV head's group of query heads, so each cache tile is dequantized once for all of
+// them. Keys come in tiles of kKeyTile positions, at multiples of kKeyTile whatever the item, with an
+// online softmax: S = Q K^T and O += P V are register-blocked products (tile_math.h) in the widest
+// vectors torch uses on this CPU (AVX-512, AVX2, else the baseline ISA), chosen at run time. A row's
+// result does not depend on the item it is in (tile_math.h). Scratch memory is bounded by the tile
+// and the chunk, not by the sequence length. Items are split between threads by their cost.
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 
 #include "../float_conversions.h"
 #include "../hadamard.h"
 #include "dtype_dispatch.h"
 #include "kernels.h"
+#include "tile_math.h"
 
 namespace fp8kv::cpu {
 namespace {
 
-constexpr int kKeyTile = 64;
-constexpr int kQueryChunk = 16;
+constexpr int kKeyTile = 256;
+constexpr int kQueryChunk = 64;
+// Tile rows are padded to whole product blocks of the widest vectors (AVX-512's 16 floats).
+constexpr int kColumnAlign = kProductVectors * 16;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Dequantizes cache rows [start, start + count) of one KV head into dst[count][head_size] without
-// the scale (which is folded into the logits or the output).
+int padded(int n) { return (n + kColumnAlign - 1) / kColumnAlign * kColumnAlign; }
+
+// fp32 scratch aligned to a cache line, zeroed when it grows.
+class Buffer {
+ public:
+  float* resize(size_t n) {
+    lines_.resize((n + 15) / 16);
+    return lines_.data()->values;
+  }
+
+ private:
+  struct alignas(64) Line {
+    float values[16];
+  };
+  std::vector<Line> lines_;
+};
+
+// Cache positions [begin, end) of one KV head, dequantized without the scale (folded into the logits or
+// the output): element d of position begin + i goes to dst[i * token_stride + d * dim_stride].
 void load_tile(const PagedAttentionParams& p, const CacheView& cache, const int32_t* block_table, int kv_head,
-               int start, int count, float* dst) {
+               int begin, int end, float* dst, int64_t token_stride, int64_t dim_stride) {
   const int64_t elem_bytes = dtype_bytes(p.cache_dtype);
-  const float* table = is_fp8(p.cache_dtype) ? fp8_table(p.cache_dtype) : nullptr;
-  for (int i = 0; i < count; ++i) {
-    const int position = start + i;
+  auto row_of = [&](int position) {
     const int64_t block = block_table[position / p.block_size];
     const int64_t offset = position % p.block_size;
-    const auto* row = static_cast<const uint8_t*>(cache.data) +
-                      (block * cache.block_stride + offset * cache.token_stride + kv_head * cache.head_stride) *
-                          elem_bytes;
-    float* out = dst + static_cast<int64_t>(i) * p.head_size;
-    if (table != nullptr) {
-      for (int d = 0; d < p.head_size; ++d) out[d] = table[row[d]];
-    } else {
-      dispatch_source_dtype(p.cache_dtype, [&](auto type) {
-        using T = Element<decltype(type)::value>;
-        const auto* values = reinterpret_cast<const typename T::Storage*>(row);
-        for (int d = 0; d < p.head_size; ++d) out[d] = T::to_float(values[d]);
-      });
+    return static_cast<const uint8_t*>(cache.data) +
+           (block * cache.block_stride + offset * cache.token_stride + kv_head * cache.head_stride) * elem_bytes;
+  };
+  if (is_fp8(p.cache_dtype)) {
+    const float* table = fp8_table(p.cache_dtype);
+    for (int i = 0; i < end - begin; ++i) {
+      const uint8_t* row = row_of(begin + i);
+      float* out = dst + i * token_stride;
+      for (int d = 0; d < p.head_size; ++d) out[d * dim_stride] = table[row[d]];
     }
+    return;
   }
-}
-
-float dot(const float* a, const float* b, int n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+  dispatch_source_dtype(p.cache_dtype, [&](auto type) {
+    using T = Element<decltype(type)::value>;
+    for (int i = 0; i < end - begin; ++i) {
+      const auto* row = reinterpret_cast<const typename T::Storage*>(row_of(begin + i));
+      float* out = dst + i * token_stride;
+      for (int d = 0; d < p.head_size; ++d) out[d * dim_stride] = T::to_float(row[d]);
+    }
+  });
 }
 
 struct WorkItem {
@@ -62,15 +85,47 @@ struct WorkItem {
 };
 
 struct Scratch {
-  std::vector<float> query, keys, values, probs, acc, row_max, row_sum, logit_offset;
-  std::vector<int> lo, hi;
+  Buffer query, keys, values, logits, acc;
+  std::vector<float> row_max, row_sum, logit_offset;
+  std::vector<int> lo, hi, tile_lo, tile_hi;
 };
 
-template <DType kQuery>
-void attend(const PagedAttentionParams& p, const RowsView& lse, const WorkItem& item, int kv_head, Scratch& s) {
+// One tile's logits of row x[0, cols) -> its probabilities, updating the row's running max and sum;
+// x[j_lo, j_hi) are the keys it sees. Returns the factor that rescales the row's accumulator.
+template <int W>
+FP8KV_ALWAYS_INLINE float softmax_tile(float* x, int cols, int j_lo, int j_hi, float& row_max, float& row_sum) {
+  using S = Simd<W>;
+  std::fill(x, x + j_lo, kNegInf);
+  std::fill(x + j_hi, x + cols, kNegInf);
+  auto high = S::splat(kNegInf);
+  for (int j = 0; j < cols; j += W) {
+    const auto v = S::load(x + j);
+    high = v > high ? v : high;
+  }
+  const float tile_max = S::reduce(high, kNegInf, [](float a, float b) { return std::max(a, b); });
+  const float new_max = std::max(row_max, tile_max);
+  const float shift = new_max == kNegInf ? 0.0f : new_max;  // no key seen yet: every x is -inf
+  auto sum = S::splat(0.0f);
+  for (int j = 0; j < cols; j += W) {
+    S::store(x + j, S::load(x + j) - shift);
+    exp_nonpositive<W>(x + j);
+    sum += S::load(x + j);
+  }
+  const float tile_sum = S::reduce(sum, 0.0f, [](float a, float b) { return a + b; });
+  const float rescale = new_max == row_max ? 1.0f : std::exp(row_max - new_max);  // 0 on the first keys
+  row_sum = row_sum * rescale + tile_sum;
+  row_max = new_max;
+  return rescale;
+}
+
+template <DType kQuery, int W>
+FP8KV_ALWAYS_INLINE void attend(const PagedAttentionParams& p, const RowsView& lse, const WorkItem& item, int kv_head,
+                                Scratch& s) {
   using Q = Element<kQuery>;
+  using S = Simd<W>;
   const int group = p.num_heads / p.num_kv_heads;
   const int d_size = p.head_size;
+  const int dims = padded(d_size);  // row stride of V tiles and of the accumulator
   const int rows = item.num_tokens * group;
   const int seq_len = p.seq_lens[item.seq];
   const int64_t q_begin = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[item.seq] : item.seq;
@@ -88,16 +143,16 @@ void attend(const PagedAttentionParams& p, const RowsView& lse, const WorkItem& 
   const float* k_offset =
       p.transform.k_offset != nullptr ? p.transform.k_offset + static_cast<int64_t>(kv_head) * d_size : nullptr;
 
-  s.query.resize(static_cast<size_t>(rows) * d_size);
-  s.acc.assign(static_cast<size_t>(rows) * d_size, 0.0f);
-  s.row_max.assign(rows, -std::numeric_limits<float>::infinity());
+  float* query = s.query.resize(static_cast<size_t>(rows) * d_size);
+  float* keys = s.keys.resize(static_cast<size_t>(d_size) * kKeyTile);  // K^T: [head_size][kKeyTile]
+  float* values = s.values.resize(static_cast<size_t>(kKeyTile) * dims);
+  float* logits = s.logits.resize(static_cast<size_t>(rows) * kKeyTile);
+  float* acc = s.acc.resize(static_cast<size_t>(rows) * dims);
+  std::fill(acc, acc + static_cast<size_t>(rows) * dims, 0.0f);
+  s.row_max.assign(rows, kNegInf);
   s.row_sum.assign(rows, 0.0f);
-  s.lo.resize(rows);
-  s.hi.resize(rows);
   s.logit_offset.assign(rows, 0.0f);
-  s.keys.resize(static_cast<size_t>(kKeyTile) * d_size);
-  s.values.resize(static_cast<size_t>(kKeyTile) * d_size);
-  s.probs.resize(static_cast<size_t>(rows) * kKeyTile);
+  for (auto* v : {&s.lo, &s.hi, &s.tile_lo, &s.tile_hi}) v->resize(rows);
 
   // Row r is query token (first_token + r / group) and query head kv_head * group + r % group.
   for (int r = 0; r < rows; ++r) {
@@ -105,58 +160,65 @@ void attend(const PagedAttentionParams& p, const RowsView& lse, const WorkItem& 
     const int head = kv_head * group + r % group;
     const auto* q = reinterpret_cast<const typename Q::Storage*>(p.query) + (q_begin + token) * p.query_token_stride +
                     head * p.query_head_stride;
-    float* qf = s.query.data() + static_cast<int64_t>(r) * d_size;
+    float* qf = query + static_cast<int64_t>(r) * d_size;
     for (int d = 0; d < d_size; ++d) qf[d] = Q::to_float(q[d]);
     transform_row(qf, d_size, p.transform.hadamard, nullptr);
-    if (soft_cap && k_offset != nullptr) s.logit_offset[r] = p.softmax_scale * dot(qf, k_offset, d_size);
-    const KeyRange<int> keys = visible_keys(seq_len, q_len, token, p.sliding_window);
-    s.lo[r] = keys.begin;
-    s.hi[r] = keys.end;
+    if (k_offset != nullptr && (soft_cap || lse.data != nullptr)) {
+      float dot = 0.0f;
+      for (int d = 0; d < d_size; ++d) dot += qf[d] * k_offset[d];
+      s.logit_offset[r] = p.softmax_scale * dot;
+    }
+    const KeyRange<int> keys_seen = visible_keys(seq_len, q_len, token, p.sliding_window);
+    s.lo[r] = keys_seen.begin;
+    s.hi[r] = keys_seen.end;
   }
   const int range_lo = std::max(0, s.lo[0]);
   const int range_hi = std::max(0, s.hi[rows - 1]);
 
-  for (int start = range_lo; start < range_hi; start += kKeyTile) {
+  for (int start = range_lo / kKeyTile * kKeyTile; start < range_hi; start += kKeyTile) {
     const int count = std::min(kKeyTile, range_hi - start);
-    load_tile(p, p.key_cache, block_table, kv_head, start, count, s.keys.data());
-    for (int r = 0; r < rows; ++r) {
-      const int j_lo = std::max(s.lo[r], start) - start;
-      const int j_hi = std::min(s.hi[r], start + count) - start;
-      if (j_lo >= j_hi) continue;
-      const float* qf = s.query.data() + static_cast<int64_t>(r) * d_size;
-      float* probs = s.probs.data() + static_cast<int64_t>(r) * kKeyTile;
-      float tile_max = -std::numeric_limits<float>::infinity();
-      for (int j = j_lo; j < j_hi; ++j) {
-        float logit = logit_scale * dot(qf, s.keys.data() + static_cast<int64_t>(j) * d_size, d_size);
-        if (soft_cap) logit = p.logits_soft_cap * std::tanh((logit + s.logit_offset[r]) / p.logits_soft_cap);
-        probs[j] = logit;
-        tile_max = std::max(tile_max, logit);
-      }
-      const float new_max = std::max(s.row_max[r], tile_max);
-      const float rescale = std::exp(s.row_max[r] - new_max);  // 0 on the first tile (exp(-inf))
-      float tile_sum = 0.0f;
-      for (int j = j_lo; j < j_hi; ++j) {
-        probs[j] = std::exp(probs[j] - new_max);
-        tile_sum += probs[j];
-      }
-      s.row_sum[r] = s.row_sum[r] * rescale + tile_sum;
-      s.row_max[r] = new_max;
-      float* acc = s.acc.data() + static_cast<int64_t>(r) * d_size;
-#pragma omp simd
-      for (int d = 0; d < d_size; ++d) acc[d] *= rescale;
+    const int first = std::max(range_lo, start) - start;  // no row sees the tile's positions before it
+    const int cols = padded(count);
+    load_tile(p, p.key_cache, block_table, kv_head, start + first, start + count, keys + first, 1, kKeyTile);
+    for (int r = 0; r < rows; r += kProductRows) {
+      product_rows<W, false>(std::min(kProductRows, rows - r), cols, 0, d_size, query + r * d_size, d_size, keys,
+                             kKeyTile, logits + r * kKeyTile, kKeyTile);
     }
-    load_tile(p, p.value_cache, block_table, kv_head, start, count, s.values.data());
     for (int r = 0; r < rows; ++r) {
-      // Only keys this row may see reach the product: a masked slot may hold NaN codes.
-      const int j_lo = std::max(s.lo[r], start) - start;
-      const int j_hi = std::min(s.hi[r], start + count) - start;
-      const float* probs = s.probs.data() + static_cast<int64_t>(r) * kKeyTile;
-      float* acc = s.acc.data() + static_cast<int64_t>(r) * d_size;
-      for (int j = j_lo; j < j_hi; ++j) {
-        const float w = probs[j];
-        const float* v = s.values.data() + static_cast<int64_t>(j) * d_size;
-#pragma omp simd
-        for (int d = 0; d < d_size; ++d) acc[d] += w * v[d];
+      float* x = logits + static_cast<int64_t>(r) * kKeyTile;
+      const int j_lo = std::clamp(s.lo[r] - start, 0, count);
+      const int j_hi = std::clamp(s.hi[r] - start, 0, count);
+      if (j_lo >= j_hi) {  // sees no key of this tile
+        std::fill(x, x + cols, 0.0f);
+        s.tile_lo[r] = count;
+        s.tile_hi[r] = 0;
+        continue;
+      }
+      s.tile_lo[r] = j_lo;
+      s.tile_hi[r] = j_hi;
+      if (soft_cap) {
+        for (int j = j_lo; j < j_hi; ++j) {
+          x[j] = p.logits_soft_cap * std::tanh((logit_scale * x[j] + s.logit_offset[r]) / p.logits_soft_cap);
+        }
+      } else {
+        for (int j = 0; j < cols; j += W) S::store(x + j, S::load(x + j) * logit_scale);
+      }
+      const float rescale = softmax_tile<W>(x, cols, j_lo, j_hi, s.row_max[r], s.row_sum[r]);
+      if (rescale != 1.0f) {
+        float* o = acc + static_cast<int64_t>(r) * dims;
+        for (int d = 0; d < dims; d += W) S::store(o + d, S::load(o + d) * rescale);
+      }
+    }
+    // Only keys some row of a product block sees reach its product (other rows' weights there are 0):
+    // a slot no row sees may hold NaN codes.
+    load_tile(p, p.value_cache, block_table, kv_head, start + first, start + count, values + first * dims, dims, 1);
+    for (int r = 0; r < rows; r += kProductRows) {
+      const int n = std::min(kProductRows, rows - r);
+      const int k_begin = *std::min_element(s.tile_lo.begin() + r, s.tile_lo.begin() + r + n);
+      const int k_end = *std::max_element(s.tile_hi.begin() + r, s.tile_hi.begin() + r + n);
+      if (k_begin < k_end) {
+        product_rows<W, true>(n, dims, k_begin, k_end, logits + r * kKeyTile, kKeyTile, values, dims, acc + r * dims,
+                              dims);
       }
     }
   }
@@ -168,22 +230,77 @@ void attend(const PagedAttentionParams& p, const RowsView& lse, const WorkItem& 
               head * p.out_head_stride;
     // A row that sees no keys (a decode row with seq_len 0, i.e. batch padding) outputs zeros.
     float out_scale = s.row_sum[r] > 0.0f ? v_scale / s.row_sum[r] : 0.0f;
-    float* acc = s.acc.data() + static_cast<int64_t>(r) * d_size;
+    float* row = acc + static_cast<int64_t>(r) * dims;
     if (p.transform.hadamard) {
-      hadamard_blocks(acc, d_size, block);
+      hadamard_blocks(row, d_size, block);
       out_scale *= hadamard_norm(block);
     }
-    for (int d = 0; d < d_size; ++d) o[d] = Q::from_float(acc[d] * out_scale);
+    for (int d = 0; d < d_size; ++d) o[d] = Q::from_float(row[d] * out_scale);
     if (lse.data != nullptr) {
       // The logits' log-sum-exp, -inf without keys. Without a soft cap the logits above lack the
       // rotated recipe's q . k_offset (softmax ignores it); the log-sum-exp does not.
-      const float offset = !soft_cap && k_offset != nullptr
-                               ? p.softmax_scale * dot(s.query.data() + static_cast<int64_t>(r) * d_size, k_offset, d_size)
-                               : 0.0f;
       static_cast<float*>(lse.data)[lse.offset(q_begin + token, head)] =
-          s.row_sum[r] > 0.0f ? s.row_max[r] + std::log(s.row_sum[r]) + offset : -std::numeric_limits<float>::infinity();
+          s.row_sum[r] > 0.0f ? s.row_max[r] + std::log(s.row_sum[r]) + (soft_cap ? 0.0f : s.logit_offset[r]) : kNegInf;
     }
   }
+}
+
+// Work w is item w / num_kv_heads for KV head w % num_kv_heads.
+template <DType kQuery, int W>
+FP8KV_ALWAYS_INLINE void attend_range(const PagedAttentionParams& p, const RowsView& lse,
+                                      const std::vector<WorkItem>& items, int64_t begin, int64_t end) {
+  Scratch scratch;
+  for (int64_t w = begin; w < end; ++w) {
+    attend<kQuery, W>(p, lse, items[w / p.num_kv_heads], static_cast<int>(w % p.num_kv_heads), scratch);
+  }
+}
+
+using AttendRange = void (*)(const PagedAttentionParams&, const RowsView&, const std::vector<WorkItem>&, int64_t,
+                             int64_t);
+
+template <DType kQuery>
+void attend_range_baseline(const PagedAttentionParams& p, const RowsView& lse, const std::vector<WorkItem>& items,
+                           int64_t begin, int64_t end) {
+  attend_range<kQuery, 4>(p, lse, items, begin, end);
+}
+
+#if defined(__x86_64__)
+template <DType kQuery>
+__attribute__((target("avx2"))) void attend_range_avx2(const PagedAttentionParams& p, const RowsView& lse,
+                                                       const std::vector<WorkItem>& items, int64_t begin, int64_t end) {
+  attend_range<kQuery, 8>(p, lse, items, begin, end);
+}
+
+template <DType kQuery>
+__attribute__((target("avx512f"))) void attend_range_avx512(const PagedAttentionParams& p, const RowsView& lse,
+                                                            const std::vector<WorkItem>& items, int64_t begin,
+                                                            int64_t end) {
+  attend_range<kQuery, 16>(p, lse, items, begin, end);
+}
+#endif
+
+// The widest vectors torch's own kernels use on this CPU (ATEN_CPU_CAPABILITY can lower it).
+template <DType kQuery>
+AttendRange attend_range_for_cpu() {
+#if defined(__x86_64__)
+  static const std::string capability = at::get_cpu_capability();
+  if (capability == "AVX512") return attend_range_avx512<kQuery>;
+  if (capability == "AVX2") return attend_range_avx2<kQuery>;
+#endif
+  return attend_range_baseline<kQuery>;
+}
+
+// Relative cost of an item: its rows' products plus the dequantization (about kDequantRows rows' worth),
+// per key it reads.
+constexpr int64_t kDequantRows = 4;
+
+int64_t item_cost(const PagedAttentionParams& p, const WorkItem& item) {
+  const int seq_len = p.seq_lens[item.seq];
+  const int q_len = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[item.seq + 1] - p.cu_seqlens_q[item.seq] : 1;
+  const int lo = visible_keys(seq_len, q_len, item.first_token, p.sliding_window).begin;
+  const int hi = visible_keys(seq_len, q_len, item.first_token + item.num_tokens - 1, p.sliding_window).end;
+  const int64_t keys = std::max(0, hi - std::max(0, lo) / kKeyTile * kKeyTile);
+  return (static_cast<int64_t>(item.num_tokens) * (p.num_heads / p.num_kv_heads) + kDequantRows) * keys;
 }
 
 }  // namespace
@@ -197,13 +314,20 @@ void paged_attention(const PagedAttentionParams& p, const RowsView& lse) {
     }
   }
   const int64_t num_work = static_cast<int64_t>(items.size()) * p.num_kv_heads;
+  // One contiguous range of work per thread, of about equal cost: causal prefill items differ in cost
+  // by up to the sequence length.
+  std::vector<int64_t> cost_before(num_work + 1, 0);
+  for (int64_t w = 0; w < num_work; ++w) cost_before[w + 1] = cost_before[w] + item_cost(p, items[w / p.num_kv_heads]);
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_work));
+  auto part_begin = [&](int64_t part) {
+    if (part == parts) return num_work;
+    const int64_t target = cost_before[num_work] / parts * part;
+    return static_cast<int64_t>(std::lower_bound(cost_before.begin(), cost_before.end(), target) - cost_before.begin());
+  };
   dispatch_source_dtype(p.query_dtype, [&](auto query) {
-    constexpr DType kQuery = decltype(query)::value;
-    at::parallel_for(0, num_work, 1, [&](int64_t begin, int64_t end) {
-      Scratch scratch;
-      for (int64_t w = begin; w < end; ++w) {
-        attend<kQuery>(p, lse, items[w / p.num_kv_heads], static_cast<int>(w % p.num_kv_heads), scratch);
-      }
+    const AttendRange attend_part = attend_range_for_cpu<decltype(query)::value>();
+    at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t part = begin; part < end; ++part) attend_part(p, lse, items, part_begin(part), part_begin(part + 1));
     });
   });
 }

@@ -254,7 +254,7 @@ def test_forked_requests_copy_the_fp8_pages(monkeypatch):
     model = tiny_model()
     config = kv_cache(model, "e4m3-rotated-head")
     enable_continuous_batching(model, config)
-    prompts = random_prompts([20, 37])
+    prompts = random_prompts([20, 37], seed=2)  # prompts whose reference has no tie
     assert all((reference(model, config, prompt)[2] > 0).all() for prompt in prompts)
     outputs = generate_batch(model, prompts, greedy(do_sample=True, top_k=1, num_return_sequences=3))
     assert any(src for blocks in copies for src, _ in blocks.values())

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import math
 import os
+import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -187,6 +190,52 @@ def test_seq_len_zero_rows_are_zero(device, query_dtype):
         cache_format="e4m3fn", query_dtype=QUERY_DTYPES[query_dtype], per_head_scales=False, device=device)
     out = inputs.run()
     assert bool((out == 0).all())
+
+
+@pytest.mark.parametrize("window", [-1, 100])
+def test_cpu_rows_do_not_depend_on_the_rows_computed_with_them(window):
+    """On the CPU a query row's output is the same bits whatever else the call computes: a 300-token
+    prompt (two key tiles) prefilled whole next to another sequence, alone, in chunks, or token by
+    token as decode rows. Continuous batching gives a request the bits it gets alone because of it."""
+    inputs = make_paged_attention_inputs(
+        seq_lens=[300, 77], q_lens=[300, 77], num_heads=6, num_kv_heads=NUM_KV_HEADS, head_size=64, block_size=16,
+        cache_format="e4m3fn", query_dtype=torch.bfloat16, per_head_scales=True, sliding_window=window, seed=7)
+    whole = inputs.run()[:300]
+
+    def prompt_rows(first: int, seq_len: int, decode: bool = False) -> torch.Tensor:
+        """The prompt's rows [first, seq_len) with seq_len of its tokens cached."""
+        query = inputs.query[first:seq_len]
+        out = torch.full_like(query, math.nan)
+        fp8kv.ops.paged_attention(out, query, inputs.key_cache, inputs.value_cache, inputs.block_tables[:1],
+                                  torch.tensor([seq_len], dtype=torch.int32),
+                                  None if decode else torch.tensor([0, seq_len - first], dtype=torch.int32),
+                                  inputs.softmax_scale, inputs.k_scale, inputs.v_scale, window)
+        return out
+
+    assert torch.equal(prompt_rows(0, 300), whole)
+    assert torch.equal(torch.cat([prompt_rows(0, 100), prompt_rows(100, 290), prompt_rows(290, 300)]), whole)
+    for token in (0, 150, 255, 256, 299):
+        assert torch.equal(prompt_rows(token, token + 1, decode=True), whole[token:token + 1]), token
+
+
+NARROWER_CAPABILITIES = {"AVX512": ["avx2", "default"], "AVX2": ["default"]}
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="torch's CPU capabilities are x86's")
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_cpu_narrower_vectors(capability):
+    """The CPU kernel uses the vector width of torch's CPU capability, which ATEN_CPU_CAPABILITY
+    lowers: the long-prompt (decode rows among them) and row-independence cases pass again in a child
+    process on each width narrower than this machine's."""
+    if capability not in NARROWER_CAPABILITIES.get(torch.backends.cpu.get_cpu_capability(), []):
+        pytest.skip(f"{capability} is not narrower than this machine's {torch.backends.cpu.get_cpu_capability()}")
+    cases = "cpu and (test_long_prompts or test_cpu_rows_do_not_depend)"
+    child = (f"import sys, torch, pytest; assert torch.backends.cpu.get_cpu_capability() == {capability.upper()!r}; "
+             f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', {__file__!r}, '-k', {cases!r}]))")
+    result = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                            env={**os.environ, "ATEN_CPU_CAPABILITY": capability})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
 
 
 # ----------------------------------------------------------------------------------------------
