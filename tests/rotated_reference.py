@@ -92,7 +92,7 @@ class RotatedInputs(PagedAttentionInputs):
 
     def run(self) -> torch.Tensor:
         out = torch.full_like(self.query, math.nan)
-        fp8kv.ops.paged_attention(out, self.query, self.key_cache, self.value_cache, self.block_tables,
+        torch.ops.fp8kv.paged_attention(out, self.query, self.key_cache, self.value_cache, self.block_tables,
                                   self.seq_lens, self.cu_seqlens_q, self.softmax_scale, self.k_scale, self.v_scale,
                                   self.sliding_window, self.logits_soft_cap, True, self.k_offset, self.fp8_math)
         return out

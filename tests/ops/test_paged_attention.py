@@ -223,7 +223,7 @@ def test_end_to_end_error_follows_the_format_precision(device, cache_format, per
                                              device)
     fill_nan(key_cache)
     fill_nan(value_cache)
-    fp8kv.ops.reshape_and_cache(key.to(device), value.to(device), key_cache, value_cache, slots.to(device),
+    torch.ops.fp8kv.reshape_and_cache(key.to(device), value.to(device), key_cache, value_cache, slots.to(device),
                                 k_scale.to(device), v_scale.to(device))
     query = torch.randn(sum(q_lens), num_heads, head_size, generator=generator).to(torch.float16)
     cu_seqlens_q = None if decode else torch.tensor([0, 1, 13, 43], dtype=torch.int32)
@@ -231,7 +231,7 @@ def test_end_to_end_error_follows_the_format_precision(device, cache_format, per
 
     def attend(v_scale_used):
         out = torch.full_like(query, math.nan).to(device)
-        fp8kv.ops.paged_attention(out, query.to(device), key_cache, value_cache, tables.to(device),
+        torch.ops.fp8kv.paged_attention(out, query.to(device), key_cache, value_cache, tables.to(device),
                                   seq_lens_t.to(device), None if decode else cu_seqlens_q.to(device),
                                   head_size**-0.5, k_scale.to(device), v_scale_used.to(device))
         return out

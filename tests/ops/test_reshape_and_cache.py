@@ -60,7 +60,7 @@ def write_and_check(key, value, key_cache, value_cache, slots, k_scale, v_scale,
         bits(cache).fill_(SENTINEL[cache.element_size()])
     expected_key = expected_cache(key_cache, key, slots, k_scale, cache_format)
     expected_value = expected_cache(value_cache, value, slots, v_scale, cache_format)
-    fp8kv.ops.reshape_and_cache(key.to(device), value.to(device), key_cache, value_cache, slots.to(device),
+    torch.ops.fp8kv.reshape_and_cache(key.to(device), value.to(device), key_cache, value_cache, slots.to(device),
                                 k_scale.to(device), v_scale.to(device))
     for name, cache, expected in (("key_cache", key_cache, expected_key), ("value_cache", value_cache, expected_value)):
         actual = bits(cache).cpu()
