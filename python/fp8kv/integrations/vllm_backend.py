@@ -160,15 +160,16 @@ class Fp8kvAttentionImpl(AttentionImpl[AttentionMetadata]):
         config = get_current_vllm_config()
         self.rotated: KVCacheConfig | None = None
         self.rotated_layer: KVCacheLayer | None = None  # the layer's recipe, over empty caches until a call
-        if chosen_rotation(config.additional_config) is Rotation.HADAMARD:
+        if chosen_rotation(config.additional_config, self.fp8) is Rotation.HADAMARD:
             refused = {"speculative decoding (a draft model's layers are not the checkpoint's)":
                        config.speculative_config is not None,
                        "a layer reading another layer's cache (kv_sharing_target_layer_name)":
                        kv_sharing_target_layer_name is not None}
             for what, present in refused.items():
                 if present:
-                    raise NotImplementedError(f"fp8kv's rotated recipe ({ROTATION_KEY} 'hadamard') does not support "
-                                              f"{what}")
+                    raise NotImplementedError(f"fp8kv's rotated recipe ({ROTATION_KEY} 'hadamard', the default for "
+                                              f"an FP8 cache) does not support {what}; choose the plain recipe "
+                                              f"({ROTATION_KEY} 'none')")
             self.rotated = checkpoint_recipe(config, self.fp8)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
