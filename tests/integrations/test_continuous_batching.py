@@ -48,8 +48,8 @@ NEAR_TIE = 0.125  # two bf16 units of a logit between 4 and 8: a gap that a roun
 NEAR_TIE_FP8 = 0.5
 # Every format and recipe, with scales (and K offsets) calibrated per KV head on the model
 # (fp8kv.evaluate's names: FORMAT[-RECIPE]-head).
-CACHES = ["auto", "e4m3-head", "e4m3-rotated-head", "e4m3-centred-head", "e5m2-head", "e5m2-centred-head",
-          "e4m3fnuz-rotated-head"]
+CACHES = ["auto", "e4m3-plain-head", "e4m3-head", "e4m3-centred-head", "e5m2-plain-head", "e5m2-centred-head",
+          "e4m3fnuz-head"]
 
 # Tiny models and tensors: one CPU thread (conftest.py says why).
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -203,7 +203,7 @@ def test_checkpoint_scales_give_the_same_text_on_fn_and_fnuz_pages(tmp_path):
     # recipe, whose scales the loader derives from the plain ones), so the text and its
     # log-probabilities are the same, and those of PagedCache + generate.
     model = tiny_model()
-    plain = kv_cache(model, "e4m3-head")
+    plain = kv_cache(model, "e4m3-plain-head")
     model.save_pretrained(tmp_path)
     save_file({f"model.layers.{i}.self_attn.{name}_scale": torch.tensor(getattr(plain, f"{name}_scales")[i])
                for i in range(2) for name in ("k", "v")}, str(tmp_path / "kv_scales.safetensors"))
@@ -225,8 +225,8 @@ def test_the_formats_give_different_text():
     model = tiny_model()
     prompts = random_prompts([5, 9, 40, 23])
     texts = {name: [o.generated_tokens for o in generate_batch(enable_continuous_batching(model, kv_cache(model, name)),
-                                                               prompts)] for name in ("auto", "e5m2-head")}
-    assert texts["auto"] != texts["e5m2-head"]
+                                                               prompts)] for name in ("auto", "e5m2-plain-head")}
+    assert texts["auto"] != texts["e5m2-plain-head"]
 
 
 def test_shared_prompt_prefixes_give_the_same_tokens(monkeypatch):
@@ -304,7 +304,7 @@ def test_padding_rows_are_neither_written_nor_read():
 
 def test_the_manager_serves_requests_added_one_by_one():
     model = tiny_model()
-    config = kv_cache(model, "e5m2-head")
+    config = kv_cache(model, "e5m2-plain-head")
     prompts = random_prompts([5, 40, 23])
     manager = enable_continuous_batching(model, config).init_continuous_batching(greedy(), batching())
     manager.start()
@@ -538,12 +538,10 @@ def test_smollm2_generate_batch_gives_the_tokens_of_paged_cache_generate():
     # matmul's row can round differently with its place among the rows (measured on this model's
     # down_proj, 3 rows against 1), which the reference, one prompt at a time, cannot match.
     pytest.importorskip("gguf", reason="the real-model extra (gguf) is not installed")
+    from checkpoints import smollm2_or_skip
     from fp8kv import models
 
-    try:
-        checkpoint = models.smollm2_checkpoint()
-    except models.MissingDependencyError as e:
-        pytest.skip(str(e))
+    checkpoint = smollm2_or_skip()
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     text = tokenizer(models.evaluation_text()[:4000], add_special_tokens=False)["input_ids"]
