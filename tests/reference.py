@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-import fp8kv
+import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-import fp8kv
+import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 from reference import (FLOAT32_UNIT_ROUNDOFF, FORMAT_BY_NAME, AttentionReference, Fp8Format, add_output_rounding,
                        allocate_caches, bits, cache_values, fill_nan, fp8_math_error_bound, kernel_product_dtype,
                        PagedAttentionInputs, paged_attention_reference, paged_block_tables, random_kv)

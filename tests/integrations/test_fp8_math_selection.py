@@ -12,7 +12,7 @@ from fp8kv import ops
 from fp8kv._ops import supported_values
 from fp8kv.attention import PagedAttention
 from fp8kv.cache import PagedKVCache
-from fp8kv.formats import KVCacheConfig, KVCacheDtype
+from fp8kv.formats import KVCacheConfig
 
 transformers = pytest.importorskip("transformers")
 from fp8kv.integrations import transformers_cb_steps as cb_steps  # noqa: E402

@@ -5,7 +5,6 @@ import json
 import pathlib
 import re
 
-import pytest
 import torch
 
 from checkpoints import llama_config, write_checkpoint

@@ -1,7 +1,7 @@
 """The FP8 codecs, exhaustively and bit-exactly, against tables built from the format definitions.
 
-Encoding goes through fp8kv.ops.reshape_and_cache (key and value paths), decoding through
-fp8kv.ops.paged_attention with one cached token (softmax over one key is 1, so the output is the
+Encoding goes through the reshape_and_cache op (key and value paths), decoding through
+the paged_attention op with one cached token (softmax over one key is 1, so the output is the
 decoded value code times v_scale, exactly).
 """
 
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-import fp8kv
+import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 from reference import FORMATS, Fp8Format, all_16bit_values, quantize
 
 FORMAT_PARAMS = [pytest.param(f, id=f.name) for f in FORMATS]

@@ -1,4 +1,4 @@
-"""fp8kv.ops.paged_attention against the float64 reference in reference.py.
+"""The paged_attention op (torch.ops.fp8kv) against the float64 reference in reference.py.
 
 The reference reads the same cache bytes (dequantized with the test's own tables), so only the
 kernel's fp32 arithmetic and the output rounding separate the two; the bound is derived in
@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-import fp8kv
+import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 from fp8kv._ops import supported_values
 from reference import (CACHE_FORMATS, CACHE_LAYOUTS, FORMAT_BY_NAME, AttentionReference, allocate_caches,
                        assert_within, calibrated_scales, covering_grid, fill_nan, kernel_product_dtype,

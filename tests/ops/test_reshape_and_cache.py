@@ -1,4 +1,4 @@
-"""fp8kv.ops.reshape_and_cache: exact bytes in the right slots, nothing else touched.
+"""The reshape_and_cache op (torch.ops.fp8kv): exact bytes in the right slots, nothing else touched.
 
 Every cache starts filled with a sentinel byte pattern; after the write, the whole cache must equal
 the sentinel except at the slots of non-negative slot_mapping entries, which must hold the test's
@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-import fp8kv
+import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 from reference import (CACHE_FORMATS, CACHE_LAYOUTS, allocate_caches, bits, cache_dtype, random_kv, stored)
 
 SOURCE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-import fp8kv
+import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 from reference import FORMAT_BY_NAME, allocate_caches, assert_within, bits, random_kv
 from rotated_reference import (HEAD_SIZES, hadamard_matrix, make_rotated_inputs, rotate_float32,
                                rotation_error_bound, stored_rotated)

@@ -54,8 +54,12 @@ from ..checkpoint.config import model_head_size
 from ..checkpoint.per_rank import shard_kv_cache_config
 from ..formats import KVCacheConfig
 from ..rotation import Rotation, check_head_size
-from .transformers_cb_check import SUPPORTED_VERSIONS, UnsupportedTransformersError, _Transformers, supported_range
-from .transformers_cb_steps import CACHES, CacheState, attend, serves
+from .transformers_cb_check import _Transformers
+# The integration's interface, from the modules that hold them (fp8kv.integrations.transformers and serve use
+# them from here).
+from .transformers_cb_check import SUPPORTED_VERSIONS, UnsupportedTransformersError  # noqa: F401
+from .transformers_cb_steps import CACHES, CacheState, serves
+from .transformers_cb_steps import attend  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
