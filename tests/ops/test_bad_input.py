@@ -392,3 +392,13 @@ def test_a_python_value_for_a_tensor_argument_is_named(op, argument, value, matc
     args[argument] = value
     with pytest.raises(TypeError, match="^" + re.escape(f"fp8kv.ops.{op}: {match}")):
         getattr(fp8kv.ops, op)(**args)
+
+
+@pytest.mark.parametrize("op, recipe", [("reshape_and_cache", {"hadamard": True}),
+                                        ("paged_attention", {"k_offset": torch.zeros(NUM_KV_HEADS, HEAD_SIZE)}),
+                                        ("paged_attention", {"k_scale": torch.ones(1)})])
+def test_the_wrappers_take_no_recipe_beside_the_layer(op, recipe):
+    """A cache's recipe and scales come with its layer only: the wrappers have no argument through
+    which a call could read a cache with another."""
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(recipe))}'"):
+        getattr(fp8kv.ops, op)(**wrapper_args(op), **recipe)
