@@ -10,17 +10,24 @@ the FP8 baseline needs:
 - the headers and templates that FlashInfer's FA2 JIT compiles from (`data/include`, the top-level
   `data/csrc` files, CCCL), so a kernel not built ahead of time can still be JIT-compiled there;
 - ahead-of-time builds, for sm_90a, of the kernels the benchmarks call, placed where FlashInfer
-  loads them without compiling (`flashinfer/data/aot/<module>/<module>.so`): bf16 query over an
-  e4m3 cache with bf16 output, for the CUDA-core decode kernel and the FA2 tensor-core kernel that
-  serves both prefill and tensor-core decode, at each head size.
+  loads them without compiling (`flashinfer/data/aot/<module>/<module>.so`), at each head size:
+  bf16 query over an e4m3 cache with bf16 output, for the CUDA-core decode kernel and the FA2
+  tensor-core kernel that serves both prefill and tensor-core decode; and FA3 (Hopper) batch
+  prefill with e4m3 query, K and V (FP8 tensor-core math) and bf16 output. FA3 modules need
+  CUTLASS, which the wheel does not carry: only these are available, none is JIT-compiled there.
 
 Usage (needs nvcc 13.0, g++ and torch on the building machine; the wheel's own runtime dependency
 apache-tvm-ffi must be importable by this Python, e.g.
-`pip install --target /tmp/fi-host apache-tvm-ffi==0.1.15.post2`):
+`pip install --target /tmp/fi-host apache-tvm-ffi==0.1.15.post2`). The FA3 sources include CUTLASS
+utility headers that include cuRAND's `curand_kernel.h` (no cuRAND call is compiled): where the CUDA
+toolkit lacks it, take cuRAND's headers from the `nvidia-curand` wheel and name them with --include-dir:
 
     python -m pip download --no-deps flashinfer-python==0.7.2.post1 -d /tmp/fi
+    python -m pip download --no-deps nvidia-curand==10.4.5.25 -d /tmp/fi
+    unzip -q -o /tmp/fi/nvidia_curand-*.whl 'nvidia/cu13/include/*' -d /tmp/fi/curand
     PYTHONPATH=/tmp/fi-host python benchmarks/flashinfer_wheel.py \
-        --wheel /tmp/fi/flashinfer_python-0.7.2.post1-py3-none-any.whl --out dist/flashinfer
+        --wheel /tmp/fi/flashinfer_python-0.7.2.post1-py3-none-any.whl --out dist/flashinfer \
+        --include-dir /tmp/fi/curand/nvidia/cu13/include
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ IMPORT_ROOTS = ("flashinfer", "flashinfer.decode", "flashinfer.prefill")
 DATA_TREES = ("flashinfer/data/include", "flashinfer/data/cccl/libcudacxx/include",
               "flashinfer/data/cccl/cub/cub", "flashinfer/data/cccl/thrust/thrust")
 AOT_DIR = "flashinfer/data/aot"
+CURAND_HEADER = "curand_kernel.h"  # included by the CUTLASS utility headers that FA3's sources include
 
 
 def module_file(root: pathlib.Path, module: str) -> pathlib.Path | None:
@@ -115,27 +123,33 @@ def make_libcuda_stub(cuda_home: pathlib.Path, scratch: pathlib.Path) -> list[st
 
 
 def build_aot_modules(root: pathlib.Path, head_dims: list[int], cuda_home: pathlib.Path,
-                      scratch: pathlib.Path) -> None:
+                      include_dirs: list[pathlib.Path], scratch: pathlib.Path) -> None:
     """Compiles the baseline's kernels for sm_90a with FlashInfer's own build specs."""
     os.environ.update({
         "FLASHINFER_CUDA_ARCH_LIST": "9.0a",
         "FLASHINFER_WORKSPACE_BASE": str(scratch / "workspace"),
         "CUDA_HOME": str(cuda_home),
     })
+    if include_dirs:
+        os.environ["FLASHINFER_EXTRA_CUDAFLAGS"] = " ".join(f"-I{d.resolve()}" for d in include_dirs)
     stub_flags = make_libcuda_stub(cuda_home, scratch)
     if stub_flags:
         os.environ["FLASHINFER_EXTRA_LDFLAGS"] = " ".join(stub_flags)
     sys.path.insert(0, str(root))
     import torch
-    from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module, gen_batch_decode_module
+    from flashinfer.jit.attention.modules import (_gen_batch_prefill_primary_module, gen_batch_decode_module,
+                                                  gen_batch_prefill_module)
     from flashinfer.jit.core import build_jit_specs
 
+    # (query, cache, output, index) dtypes, as BatchPrefillWithPagedKVCacheWrapper.plan passes them
     dtypes = (torch.bfloat16, torch.float8_e4m3fn, torch.bfloat16, torch.int32)
+    fp8_dtypes = (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, torch.int32)
     no_features = (0, False, False)  # no RoPE, no sliding window, no logits soft cap
     specs = []
     for d in head_dims:
         specs.append(gen_batch_decode_module(*dtypes, d, d, *no_features))
         specs.append(_gen_batch_prefill_primary_module("fa2", *dtypes, d, d, *no_features, False))
+        specs.append(gen_batch_prefill_module("fa3", *fp8_dtypes, d, d, *no_features, False))
     start = time.time()
     build_jit_specs(specs, verbose=False, skip_prebuilt=False)
     print(f"built {len(specs)} modules in {time.time() - start:.0f} s on {os.cpu_count()} cores")
@@ -182,16 +196,22 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True, help="directory for the trimmed wheel")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--cuda-home", type=pathlib.Path, default=pathlib.Path("/usr/local/cuda"))
+    parser.add_argument("--include-dir", type=pathlib.Path, action="append", default=[],
+                        help="an extra header directory for nvcc (repeatable), e.g. cuRAND's headers")
     args = parser.parse_args()
     if not args.wheel.name.startswith("flashinfer_python-"):
         parser.error(f"--wheel: expected a flashinfer_python-*.whl file, got {args.wheel}")
+    header_dirs = [args.cuda_home / "include", *args.include_dir]
+    if not any((d / CURAND_HEADER).exists() for d in header_dirs):
+        parser.error(f"{CURAND_HEADER} is in none of {', '.join(map(str, header_dirs))}: the FA3 sources include "
+                     "it; name cuRAND's headers with --include-dir (see this file's docstring)")
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="flashinfer-wheel-") as scratch_name:
         scratch = pathlib.Path(scratch_name)
         root = scratch / "unpacked"
         with zipfile.ZipFile(args.wheel) as wheel:
             wheel.extractall(root)
-        build_aot_modules(root, args.head_dims, args.cuda_home, scratch)
+        build_aot_modules(root, args.head_dims, args.cuda_home, args.include_dir, scratch)
         wheel_path = write_wheel(root, selected_files(root), args.out)
     print(f"wrote {wheel_path} ({wheel_path.stat().st_size / 1e6:.1f} MB)")
 

@@ -816,7 +816,8 @@ cudaError_t launch_tiles(const PagedAttentionParams& p, const AttentionPlan& pla
                         pages_bytes(plan, p.block_size) / 4};
   const int64_t ctas = std::min(items, plan.ctas);
   // The counter is used only when the items may outnumber the CTAs: a call of one wave has no memset
-  // (a node before the kernel in a CUDA graph, 0.6-1.0 us of a replay: perf_notes.md, section 8).
+  // (a node before the kernel in a CUDA graph, 0.6-1.0 us of a replay: cuda_decode_design.md, "The
+  // persistent grid").
   if (items > ctas) {
     const cudaError_t status = cudaMemsetAsync(taken, 0, sizeof(int), stream);
     if (status != cudaSuccess) return status;

@@ -2,7 +2,7 @@
 // splits. Every such choice is made here, on the host, from the call's sizes and the device's facts
 // (never device data, so a captured graph replays it unchanged); paged_attention.cu gathers the facts
 // (the device, the kernels' occupancy) and fills the plan from these answers. The kernels' geometry
-// is tiles.h's; the measurements behind the choices: docs/perf_notes.md, docs/cuda_decode_design.md,
+// is tiles.h's; the measurements behind the choices: docs/cuda_decode_design.md,
 // docs/cuda_prefill_design.md.
 #pragma once
 
@@ -78,11 +78,12 @@ inline AttentionKernel multi_token_kernel(const PagedAttentionParams& p, const D
   return sm90a_kernel_runs(p.head_size, device) ? AttentionKernel::kMultiTokenSm90a : AttentionKernel::kMultiTokenSm80;
 }
 
-// The kernel for p. `request` has been checked (paged_attention_unsupported): a kernel it names runs
-// p. Short queries (verification, decode-heavy batches) are bound by memory: they go to the decode
-// kernel, whose items then take all of a sequence's draft rows (up to 16 at head size <= 128), so each
-// page is streamed once at the decode kernel's bandwidth (docs/cuda_prefill_design.md); it keeps
-// 16-bit math, fp8_math or not (FP8 math would cost accuracy and save no time there).
+// The kernel for p. `request` has been checked (paged_attention_unsupported): a kernel it names
+// runs p. Short queries (verification, decode-heavy batches) are bound by memory: they go to the
+// decode kernel, whose items then take all of a sequence's draft rows (up to 16 at head size
+// <= 128), so each page is streamed once at the decode kernel's bandwidth (cuda_prefill_design.md,
+// "Short queries on the decode kernel"); it keeps 16-bit math, fp8_math or not (FP8 math would cost
+// accuracy and save no time there).
 inline AttentionKernel attention_kernel(const PagedAttentionParams& p, MultiTokenRequest request,
                                         const DeviceFacts& device) {
   if (p.cu_seqlens_q == nullptr) return AttentionKernel::kDecode;
@@ -141,10 +142,10 @@ inline int64_t table_capacity(const PagedAttentionParams& p) {
 // Decode: persistent CTAs take work items (a sequence's query-head chunk at one KV head over one
 // split) until none is left, requesting the next item's block table and first tiles before they merge
 // the current one, so the per-item ramp is paid once per CTA. Four per SM (at most what fits) were
-// faster than two, and than one CTA per item (perf_notes.md, section 6).
+// faster than two, and than one CTA per item (cuda_decode_design.md, "The persistent grid").
 inline constexpr int kDecodeCtasPerSm = 4;
 // Splits are sized for about this many work items per SM: each split adds a partial result to merge,
-// and finer items did not shorten the uneven finish (perf_notes.md, sections 4 and 6).
+// and finer items did not shorten the uneven finish (cuda_decode_design.md, "Split sizing").
 inline constexpr int kDecodeItemsPerSm = 2;
 
 // The decode kernel's column tiles per item: two where the average sequence has more rows (query
@@ -177,8 +178,9 @@ inline int64_t decode_row_chunk_bound(const PagedAttentionParams& p) {
 // bandwidth only with about kDecodeBytesInFlight in flight in all (the bandwidth times a loaded
 // round trip of about a microsecond). SmolLM2-135M at B64 (3 KV heads of head size 64) kept 1.5 MiB
 // in flight with FP8 rows and read at 67% of the bandwidth, 3 MiB with bf16 rows and read at 86%
-// (perf_notes.md, section 10). On an H200 (1.4x the bandwidth, the same SMs) 3 MiB was again the
-// fastest of 1.5 to 12 MiB on every decode shape, or within 0.5% of it (docs/benchmarks_h200.md).
+// (cuda_decode_design.md, "Split sizing"). On an H200 (1.4x the bandwidth, the same SMs) 3 MiB was
+// again the fastest of 1.5 to 12 MiB on every decode shape, or within 0.5% of it
+// (docs/benchmarks_h200.md).
 inline constexpr int64_t kDecodeBytesInFlight = int64_t{3} << 20;
 
 inline int64_t decode_cta_bytes_in_flight(const PagedAttentionParams& p) {

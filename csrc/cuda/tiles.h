@@ -1,6 +1,6 @@
 // Tile geometry and the tuning values the CUDA paged-attention kernels (decode, multi-token, merge)
 // are compiled with, shared by the kernels and the host planner (heuristics.h). Each chosen value says
-// why, briefly; the H100 measurements behind them: docs/perf_notes.md, docs/cuda_decode_design.md,
+// why, briefly; the measurements behind them: docs/cuda_decode_design.md,
 // docs/cuda_prefill_design.md.
 #pragma once
 
@@ -47,16 +47,17 @@ struct WorkQueue {
 };
 
 constexpr int kWarps = 4;         // 8 warps only helped batch 1; 4 leaves room for 4 CTAs per SM
-// Tiles staged per warp: more fit fewer CTAs per SM and were slower (perf_notes.md, section 4), and
-// slower also where the grid has only two CTAs per SM (section 9).
+// Tiles staged per warp: more fit fewer CTAs per SM and were slower, and slower also where the grid
+// has only two CTAs per SM (cuda_decode_design.md, "Staging: whole cache rows").
 constexpr int kMaxStages = 2;
 // Register cap: four CTAs per SM for head sizes up to 128, whose persistent loop fits 128 registers
-// without spills (perf_notes.md, section 6); larger heads spill under that cap, and capping for 5-6
-// CTAs per SM spilled and was slower. Multi-token queries with one column tile keep four (they spill a
-// few registers outside the tile loop; three CTAs, without spills, left 512 verification items 1.3
-// waves and took 15% longer). Two column tiles hold twice the query fragments and accumulators: under
-// 170 registers (three CTAs) they spill inside the tile loop and took 29% longer than with two CTAs
-// of 222, except at head size 64, which fits 170 (docs/cuda_prefill_design.md).
+// without spills (cuda_decode_design.md, "Registers and CTAs per SM"); larger heads spill under
+// that cap, and capping for 5-6 CTAs per SM spilled and was slower. Multi-token queries with one
+// column tile keep four (they spill a few registers outside the tile loop; three CTAs, without
+// spills, left 512 verification items 1.3 waves and took 15% longer). Two column tiles hold twice
+// the query fragments and accumulators: under 170 registers (three CTAs) they spill inside the tile
+// loop and took 29% longer than with two CTAs of 222, except at head size 64, which fits 170
+// (cuda_prefill_design.md, "Short queries on the decode kernel").
 constexpr int min_ctas_per_sm(int head_size, int column_tiles, bool queries) {
   if (head_size > 128) return 1;
   if (!queries || column_tiles == 1) return 4;

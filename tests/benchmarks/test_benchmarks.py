@@ -839,6 +839,104 @@ def test_flashinfer_page_description():
     assert last.tolist() == [1, 16, 1]
 
 
+def test_flashinfer_query_quantization_per_head():
+    gen = torch.Generator().manual_seed(8)
+    magnitudes = torch.tensor([1e-3, 1.0, 0.0, 300.0])  # head 2 is all zeros
+    query = (torch.randn(40, 4, 64, generator=gen) * magnitudes[None, :, None]).to(torch.bfloat16)
+    codes, scale = flashinfer_baseline.quantize_per_head(query)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == query.shape
+    assert scale.dtype == torch.float32 and scale.shape == (4,)
+    amax = query.float().abs().amax(dim=(0, 2))
+    used = amax > 0
+    assert torch.equal(scale[used], amax[used] / 448) and 0 < scale[2] < 1e-30
+    e4m3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    e4m3 = e4m3[e4m3.isfinite()]
+    target = query.float() / scale[None, :, None]
+    nearest = (target[..., None] - e4m3).abs().amin(-1)
+    assert torch.equal((codes.float() - target).abs(), nearest)  # every code is a nearest e4m3 value
+    assert codes.float().abs().amax(dim=(0, 2)).tolist() == [448.0, 448.0, 0.0, 448.0]
+
+
+class FakeFlashInfer:
+    """FlashInfer 0.7.2's paged prefill as its source reads, computed in float32 on the CPU: plan()
+    takes CSR pages; run() reads the caches in the wrapper's layout and checks the planned dtypes.
+    Keyword q_scale / k_scale fold into sm_scale and v_scale multiplies the output afterwards; backend
+    "fa3" (e4m3 query and cache, head 64/128/256) takes positional (q, k, v) scales that its kernel
+    applies: a float32 tensor per head, or a float; "fa2" takes none."""
+
+    class BatchPrefillWithPagedKVCacheWrapper:
+        def __init__(self, workspace, kv_layout, backend):
+            assert kv_layout in ("NHD", "HND") and backend in ("fa2", "fa3")
+            self.kv_layout, self.backend = kv_layout, backend
+
+        def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                 page_size, *, causal, sm_scale, q_data_type, kv_data_type, o_data_type):
+            assert causal
+            assert self.backend == "fa2" or (q_data_type == kv_data_type == torch.float8_e4m3fn
+                                             and head_dim in (64, 128, 256))
+            self.plan_args = dict(locals())
+
+        def run(self, q, paged_kv_cache, *kernel_scales, q_scale=None, k_scale=None, v_scale=None, out):
+            p = self.plan_args
+            key_cache, value_cache = paged_kv_cache
+            assert (q.dtype, key_cache.dtype, value_cache.dtype) == (p["q_data_type"], p["kv_data_type"], p["kv_data_type"])
+            assert out.dtype == p["o_data_type"] and out.shape == q.shape and q.shape[0] == int(p["qo_indptr"][-1])
+            if self.kv_layout == "HND":
+                key_cache, value_cache = key_cache.transpose(1, 2), value_cache.transpose(1, 2)
+            assert len(kernel_scales) == (3 if self.backend == "fa3" else 0)
+            sq, sk, sv = (self.per_head(s, n) for s, n in zip(kernel_scales or (1.0,) * 3,
+                                                               (p["num_qo_heads"], p["num_kv_heads"], p["num_kv_heads"])))
+            query, keys, values = q.float() * sq, key_cache.float() * sk, value_cache.float() * sv
+            sm_scale = p["sm_scale"] * (q_scale or 1.0) * (k_scale or 1.0)
+            qo, kv, pages, last = (p[name].tolist() for name in ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len"))
+            for i in range(len(last)):
+                kv_len = (kv[i + 1] - kv[i] - 1) * p["page_size"] + last[i]
+                seq = lambda cache: cache[pages[kv[i]:kv[i + 1]]].flatten(0, 1)[:kv_len].transpose(0, 1)[None]
+                rows = query[qo[i]:qo[i + 1]].transpose(0, 1)[None]
+                out[qo[i]:qo[i + 1]] = cases.reference_attention(rows, seq(keys), seq(values), sm_scale)[0].transpose(0, 1)
+            return out.mul_(v_scale or 1.0)
+
+        @staticmethod
+        def per_head(scale, heads):
+            if isinstance(scale, torch.Tensor):
+                assert scale.dtype == torch.float32 and scale.shape == (heads,)
+                return scale[:, None]
+            return float(scale)
+
+
+HEAD_64 = cases.Model("tiny GQA head 64", 4, 2, 64)  # FA3's smallest head size
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("fp8_query", [False, True], ids=["FA2", "FA3 FP8"])
+@pytest.mark.parametrize("kind,groups", [("prefill", ((2, 20, 0),)), ("verify", ((3, 4, 25),)),
+                                         ("mixed", ((3, 1, 30), (2, 9, 0), (1, 5, 7)))])
+def test_flashinfer_prefill_column_matches_reference(cpu_as_cuda, layout, fp8_query, kind, groups):
+    shape = prefill.PrefillShape(kind, tuple(prefill.Sequences(*g) for g in groups), HEAD_64, block_size=8)
+    case = prefill.make_case(shape, CPU, seed=9)
+    run = prefill.flashinfer_column(FakeFlashInfer, case, layout, {}, fp8_query=fp8_query)
+    err = common.relative_error(run(), case.reference_rows())
+    # the fake's kernel is exact: FA3's error is its query's e4m3 rounding (~2.5e-2), FA2's the bf16
+    # output's rounding (at most 2^-9 of each element)
+    assert (prefill.MAX_REL_ERR < err < prefill.MAX_FP8_MATH_REL_ERR) if fp8_query else err < 2**-9
+
+
+def test_prefill_main_has_flashinfer_columns(cpu_as_cuda, monkeypatch, tmp_path):
+    monkeypatch.setattr(flashinfer_baseline, "load", lambda: (FakeFlashInfer, "FlashInfer on the CPU"))
+    Seq = prefill.Sequences
+    shapes = [prefill.PrefillShape("chunked prefill", (Seq(2, 8, 24),), HEAD_64),
+              prefill.PrefillShape("mixed", (Seq(3, 1, 30), Seq(2, 9, 0)), HEAD_64, block_size=8)]
+    monkeypatch.setattr(prefill, "default_shapes", lambda: shapes)
+    limits = {"FlashInfer NHD": prefill.MAX_REL_ERR, "FlashInfer HND": prefill.MAX_REL_ERR,
+              "FlashInfer FA3 FP8 NHD": prefill.MAX_FP8_MATH_REL_ERR, "FlashInfer FA3 FP8 HND": prefill.MAX_FP8_MATH_REL_ERR}
+    for row in run_main(prefill, monkeypatch, tmp_path)["rows"]:
+        flashinfer = {name: col for name, col in row["columns"].items() if name.startswith(prefill.FLASHINFER_PREFIX)}
+        assert set(flashinfer) == set(limits)
+        for name, col in flashinfer.items():
+            assert common.worst_rel_err(col) < limits[name], (name, col)
+        assert row["summary"]["flashinfer_best"] in limits
+
+
 # ---------------------------------------------------------------------------------------------
 # Judgement, tables, JSON and PNG from synthetic results
 # ---------------------------------------------------------------------------------------------
@@ -1133,6 +1231,15 @@ def test_run_all_refuses_unknown_arguments_and_empty_wheel_folders(tmp_path):
     assert result.returncode == 2 and "unknown argument: --fast" in result.stderr
     result = subprocess.run(["bash", str(BENCHMARKS / "run_all.sh"), "--wheels", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode == 2 and "no .whl files there" in result.stderr
+
+
+def test_flashinfer_wheel_refuses_a_toolkit_without_curand_headers(tmp_path):
+    (tmp_path / "include").mkdir()
+    result = subprocess.run([sys.executable, str(BENCHMARKS / "flashinfer_wheel.py"), "--wheel",
+                             str(tmp_path / "flashinfer_python-0.7.2.post1-py3-none-any.whl"), "--out", str(tmp_path / "out"),
+                             "--cuda-home", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 2 and "curand_kernel.h is in none of" in result.stderr, result.stderr
+    assert "--include-dir" in result.stderr and not (tmp_path / "out").exists()
 
 
 def test_benchmarks_refuse_to_run_without_cuda():
