@@ -14,7 +14,7 @@ from reference import add_output_rounding, assert_within
 from rotated_reference import rotate_float32, rotated_attention_reference
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = 2, 2, 64
+NUM_LAYERS, NUM_KV_HEADS, HEAD_SIZE = 2, 4, 64
 
 
 def first_python_example() -> str:
@@ -25,7 +25,7 @@ def calibrated_checkpoint(directory: pathlib.Path) -> RotatedRecipe:
     """A checkpoint whose fp8kv_kv_cache.json has the rotated + centred recipe (per-head K scales)."""
     generator = torch.Generator().manual_seed(1)
     offsets = [(0.3 * torch.randn(NUM_KV_HEADS, HEAD_SIZE, generator=generator)).tolist() for _ in range(NUM_LAYERS)]
-    recipe = RotatedRecipe(KVCacheDtype.E4M3FN, HEAD_SIZE, NUM_KV_HEADS, ((0.02, 0.025),) * NUM_LAYERS,
+    recipe = RotatedRecipe(KVCacheDtype.E4M3FN, HEAD_SIZE, NUM_KV_HEADS, ((0.02, 0.025, 0.015, 0.03),) * NUM_LAYERS,
                            ((0.03,),) * NUM_LAYERS, tuple(tuple(map(tuple, layer)) for layer in offsets))
     write_checkpoint(directory, config=llama_config(NUM_LAYERS, NUM_KV_HEADS, hidden_size=8 * HEAD_SIZE),
                      num_layers=NUM_LAYERS, num_kv_heads=NUM_KV_HEADS)
