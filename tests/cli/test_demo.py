@@ -193,7 +193,7 @@ def assert_real_model_report(out: str, new_tokens: int, question_tokens: int) ->
     answers = {}
     for question in demo.QUESTIONS:
         at = lines.index(f"Q: {question}")
-        assert lines[at + 1].startswith("  bf16                   ")
+        assert lines[at + 1].startswith("  bf16           ")
         fp8 = next(line for line in lines[at + 2:] if line.startswith("  float8_e4m3fn  "))
         answers[question] = lines[at + 1].split(maxsplit=1)[1], fp8.split(maxsplit=1)[1]
     # The bf16 cache is the model's own attention up to rounding: its answer is the model's. The FP8
