@@ -193,8 +193,8 @@ def assert_real_model_report(out: str, new_tokens: int, question_tokens: int) ->
     answers = {}
     for question in demo.QUESTIONS:
         at = lines.index(f"Q: {question}")
-        assert lines[at + 1].startswith("  bf16           ")
-        fp8 = next(line for line in lines[at + 2:] if line.startswith("  float8_e4m3fn  "))
+        assert lines[at + 1].startswith("  bf16                   ")
+        fp8 = next(line for line in lines[at + 2:] if line.startswith("  float8_e4m3fn-rotated  "))
         answers[question] = lines[at + 1].split(maxsplit=1)[1], fp8.split(maxsplit=1)[1]
     # The bf16 cache is the model's own attention up to rounding: its answer is the model's. The FP8
     # answer is only required to exist: a greedy first-token flip is within e4m3's error (on an H100,
@@ -207,16 +207,16 @@ def assert_real_model_report(out: str, new_tokens: int, question_tokens: int) ->
     bf16, fp8 = table_row(out, "bf16"), table_row(out, "float8_e4m3fn, rotated, scale 1")
     assert abs(float(bf16[2].rstrip("%"))) < 5 and float(bf16[3]) < 1e-2 and float(bf16[4].rstrip("%")) >= 90
     assert abs(float(fp8[2].rstrip("%"))) < 8 and float(bf16[3]) < float(fp8[3]) < 0.08
-    summary = next(line for line in lines if line.startswith("float8_e4m3fn against the bf16 cache: "
+    summary = next(line for line in lines if line.startswith("float8_e4m3fn-rotated against the bf16 cache: "
                                                              "perplexity "))
-    change = float(re.match(r"float8_e4m3fn against the bf16 cache: perplexity ([+-][\d.]+)%", summary)[1])
+    change = float(re.match(r"float8_e4m3fn-rotated against the bf16 cache: perplexity ([+-][\d.]+)%", summary)[1])
     assert change == pytest.approx((float(fp8[1]) / float(bf16[1]) - 1) * 100, abs=0.01)  # the table's 4 decimals
     # Memory: bytes per token, tokens in 16 GiB, and the answers' caches as allocated.
     assert capacity_line("SmolLM2-135M-Instruct", 21, SMOLLM2_BF16_BYTES, SMOLLM2_BF16_BYTES // 2) in lines
     assert capacity_line("SmolLM2-135M-Instruct", 21, tokens_in(16, SMOLLM2_BF16_BYTES),
                          tokens_in(16, SMOLLM2_BF16_BYTES // 2)) in lines
     slots = len(demo.QUESTIONS) * math.ceil((question_tokens + new_tokens) / 16) * 16
-    assert (f"the answers' caches (3 sequences): bf16 {slots * SMOLLM2_BF16_BYTES:,} bytes, float8_e4m3fn "
+    assert (f"the answers' caches (3 sequences): bf16 {slots * SMOLLM2_BF16_BYTES:,} bytes, float8_e4m3fn-rotated "
             f"{slots * SMOLLM2_BF16_BYTES // 2:,} bytes") in lines
 
 
@@ -252,7 +252,7 @@ def test_real_model_decode_speed_on_cuda(checkpoint, capsys):
     at = next(i for i, line in enumerate(lines) if line.startswith("4. Decode speed on "))
     slots = shape.batch * math.ceil((shape.context + shape.warmup + shape.steps + 1) / 16) * 16
     for line, name, per_token in ((lines[at + 1], "bf16", SMOLLM2_BF16_BYTES),
-                                  (lines[at + 2], "float8_e4m3fn", SMOLLM2_BF16_BYTES // 2)):
+                                  (lines[at + 2], "float8_e4m3fn-rotated", SMOLLM2_BF16_BYTES // 2)):
         match = re.fullmatch(rf"  {name} +([\d.]+) ms/step +([\d,]+) tokens/s +cache +([\d.]+) GiB +\(([\d.]+)x bf16\)",
                              line)
         assert match, line
