@@ -16,7 +16,7 @@ from .rotation import Rotation, check_head_size, recipe_name
 
 
 class KVCacheLayer:
-    """Layer `index` of a KVCacheConfig over its key and value caches.
+    """One layer of a cache: its key and value caches with the format, recipe and scales they hold.
 
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size] in the format's dtype
         (the model's dtype for an unquantized cache), any strides but a contiguous last dim.
@@ -24,8 +24,9 @@ class KVCacheLayer:
     rotation, k_offset: the recipe: Rotation.HADAMARD for a rotated cache; k_offset float32
         [num_kv_heads, head_size] for a centred one, else None.
     kv_cache_dtype: the format.
-    Made by PagedKVCache.layer and fp8kv's integrations; the tensors are the ops' arguments as they
-    are (no copy per call).
+    Made by PagedKVCache.layer (from its KVCacheConfig) and fp8kv's integrations, not by hand: every
+    write and read of a cache goes through the one layer made for it. The tensors are the ops'
+    arguments as they are (no copy per call).
     """
 
     def __init__(self, kv_cache_dtype: KVCacheDtype, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -38,7 +39,7 @@ class KVCacheLayer:
 
     @classmethod
     def _of_config(cls, kv_cache: KVCacheConfig, index: int, key_cache: torch.Tensor,
-                  value_cache: torch.Tensor) -> KVCacheLayer:
+                   value_cache: torch.Tensor) -> KVCacheLayer:
         """Layer `index` of `kv_cache` (its format, recipe and scales) over `key_cache` / `value_cache`:
         ValueError naming what does not fit. For fp8kv's own caches and integrations, which make one
         layer per page and never two over the same memory."""
