@@ -1,7 +1,7 @@
 """fp8kv's rotated cache recipe in vLLM: the user's choice and the checkpoint's data, without vLLM.
 
 A vLLM user chooses fp8kv's recipe as vLLM's own backend-specific choices are made, in vLLM's
-`additional_config` (`--additional-config '{"fp8kv_rotation": "hadamard"}'`, `LLM(...,
+`additional_config` (`--additional-config '{"fp8kv_rotation": "none"}'`, `LLM(...,
 additional_config={...})`):
 
 - absent or "hadamard" (an FP8 cache): the rotated recipe (docs/rotated_cache.md), fp8kv's default
