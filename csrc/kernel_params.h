@@ -95,6 +95,36 @@ FP8KV_HOST_DEVICE KeyRange<Int> visible_keys(Int seq_len, Int q_len, Int token, 
   return {sliding_window > 0 ? std::max(Int{0}, end() - sliding_window) : Int{0}, end()};
 }
 
+// Per-(token, head) rows of a [num_tokens, num_heads, ...] tensor: an attention output (its rows
+// [head_size], last dim contiguous) or a log-sum-exp (float32 [num_tokens, num_heads]). Strides in
+// elements.
+struct RowsView {
+  void* data;  // nullptr: an optional output not requested
+  int64_t token_stride, head_stride;
+
+  FP8KV_HOST_DEVICE int64_t offset(int64_t token, int head) const {
+    return token * token_stride + static_cast<int64_t>(head) * head_stride;
+  }
+};
+
+// paged_attention's log-sum-exp output beside its kernels' operands: kept out of
+// PagedAttentionParams, which every attention kernel takes by value, so that their code does not
+// change with it. Natural log of each row's softmax denominator over its logits (docs/ops.md).
+struct PagedAttentionOperands {
+  PagedAttentionParams params;
+  RowsView lse;  // float32 [num_query_tokens, num_heads]; data nullptr: not requested
+};
+
+// merge_attention_states: two attention states (out_a, lse_a), (out_b, lse_b) of the same query rows
+// over disjoint key sets combined into (out, lse); every out* of `dtype`, every lse* float32.
+struct MergeStatesParams {
+  RowsView out, lse;  // lse.data nullptr: not requested
+  RowsView out_a, lse_a, out_b, lse_b;
+  DType dtype;
+  int64_t num_tokens;
+  int num_heads, head_size;
+};
+
 struct AmaxParams : KeyValueInput {
   int64_t num_tokens;
   int num_kv_heads, head_size;

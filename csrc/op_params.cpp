@@ -65,7 +65,7 @@ struct Named {
   const at::Tensor* tensor;
 };
 
-const at::Tensor kNoTensor;  // an absent optional input
+const at::Tensor kNoTensor;  // an absent optional input or output
 
 struct Span {  // the bytes a strided tensor can touch: [begin, end)
   const char* begin;
@@ -131,12 +131,14 @@ bool may_overlap(const at::Tensor& a, const at::Tensor& b) {
 // Outputs must not overlap themselves (two elements in one place), each other, or any input.
 void check_no_overlap(const char* op, std::initializer_list<Named> outputs, std::initializer_list<Named> inputs) {
   for (auto out = outputs.begin(); out != outputs.end(); ++out) {
+    if (!out->tensor->defined()) continue;  // an optional output not requested
     bool nested = false;
     nested_dims(*out->tensor, &nested);
     TORCH_CHECK(nested, op, ": `", out->name, "` must not have overlapping elements (its strides ",
                 out->tensor->strides(), " map several elements of shape ", out->tensor->sizes(),
                 " to one place, or cannot be shown not to)");
     for (auto other = std::next(out); other != outputs.end(); ++other) {
+      if (!other->tensor->defined()) continue;
       TORCH_CHECK(!may_overlap(*out->tensor, *other->tensor), op, ": `", out->name, "` and `", other->name,
                   "` must be distinct tensors that do not overlap in memory");
     }
@@ -168,6 +170,18 @@ void check_index_tensor(const char* op, const char* name, const at::Tensor& t, c
   TORCH_CHECK(t.dim() == 1, op, ": `", name, "` must have rank 1, got shape ", t.sizes());
   TORCH_CHECK(t.is_contiguous(), op, ": `", name, "` must be contiguous");
 }
+
+// A log-sum-exp: float32 [num_tokens, num_heads], those of `rows` ([num_tokens, num_heads, head_size]),
+// on its device; any strides.
+void check_lse(const char* op, const char* name, const at::Tensor& t, const at::Tensor& rows, const char* rows_name) {
+  TORCH_CHECK(t.scalar_type() == c10::ScalarType::Float, op, ": `", name, "` must be float32, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows.size(0) && t.size(1) == rows.size(1), op, ": `", name,
+              "` must have shape [num_tokens, num_heads] = [", rows.size(0), ", ", rows.size(1), "] like `", rows_name,
+              "`, got ", t.sizes());
+  check_same_device(op, name, t, rows, rows_name);
+}
+
+RowsView rows_view(const at::Tensor& t) { return RowsView{t.data_ptr(), t.stride(0), t.stride(1)}; }
 
 // Scales and amax: float32 of shape [1] (per tensor) or [num_kv_heads] (per KV head).
 enum class Scalars { kScales, kMaxima };
@@ -304,13 +318,14 @@ CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& val
   return p;
 }
 
-PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Tensor& query,
-                                            const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                            const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
-                                            const at::Tensor& k_scale, const at::Tensor& v_scale,
-                                            int64_t sliding_window, double logits_soft_cap, bool hadamard,
-                                            const std::optional<at::Tensor>& k_offset, bool fp8_math) {
+PagedAttentionOperands paged_attention_params(const at::Tensor& out, const at::Tensor& query,
+                                              const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                              const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
+                                              const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                              int64_t sliding_window, double logits_soft_cap, bool hadamard,
+                                              const std::optional<at::Tensor>& k_offset, bool fp8_math,
+                                              const std::optional<at::Tensor>& lse) {
   constexpr const char* op = "fp8kv.paged_attention";
   check_rank(op, "query", query, 3, "[num_query_tokens, num_heads, head_size]");
   const auto query_type = query.scalar_type();
@@ -370,7 +385,8 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
               ": `sliding_window` must be -1 (none) or a positive number of tokens up to ", kMaxInt32, ", got ",
               sliding_window);
   const float cap32 = logits_soft_cap == 0 ? 0.0f : positive_float32(op, "logits_soft_cap", logits_soft_cap, "0 (none) or ");
-  check_no_overlap(op, {{"out", &out}},
+  if (lse.has_value()) check_lse(op, "lse", *lse, query, "query");
+  check_no_overlap(op, {{"out", &out}, {"lse", lse.has_value() ? &*lse : &kNoTensor}},
                    {{"query", &query}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
                     {"block_tables", &block_tables}, {"seq_lens", &seq_lens},
                     {"cu_seqlens_q", cu_seqlens_q.has_value() ? &*cu_seqlens_q : &kNoTensor},
@@ -408,6 +424,49 @@ PagedAttentionParams paged_attention_params(const at::Tensor& out, const at::Ten
   TORCH_CHECK(!fp8_math || is_one_of(kCudaFp8MathDTypes, cache_type), op, ": `fp8_math` needs a ",
               format_list(kCudaFp8MathDTypes, " or "), " cache, got `key_cache` ", cache_type);
   p.fp8_math = fp8_math;
+  return PagedAttentionOperands{p, lse.has_value() ? rows_view(*lse) : RowsView{}};
+}
+
+MergeStatesParams merge_states_params(const at::Tensor& out, const std::optional<at::Tensor>& lse,
+                                      const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
+                                      const at::Tensor& lse_b) {
+  constexpr const char* op = "fp8kv.merge_attention_states";
+  check_rank(op, "out_a", out_a, 3, "[num_tokens, num_heads, head_size]");
+  const auto dtype = out_a.scalar_type();
+  TORCH_CHECK(is_one_of(kSourceDTypes, dtype), op, ": `out_a` must be ", format_list(kSourceDTypes, " or "), ", got ",
+              dtype);
+  TORCH_CHECK(out_a.size(1) > 0 && out_a.size(2) > 0, op, ": `out_a` must have num_heads >= 1 and head_size >= 1, ",
+              "got shape ", out_a.sizes());
+  TORCH_CHECK(out_a.size(0) <= kMaxInt32 / out_a.size(1), op, ": `out_a` has num_tokens * num_heads = ", out_a.size(0),
+              " * ", out_a.size(1), " rows, beyond the int32 limit ", kMaxInt32);
+  check_int32(op, "out_a", "head_size", out_a.size(2));
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"out_b", &out_b}, {"out", &out}}) {
+    TORCH_CHECK(t->sizes() == out_a.sizes(), op, ": `", name, "` must have the shape of `out_a` ", out_a.sizes(),
+                ", got ", t->sizes());
+    TORCH_CHECK(t->scalar_type() == dtype, op, ": `", name, "` must have the dtype of `out_a` (", dtype, "), got ",
+                t->scalar_type());
+    check_same_device(op, name, *t, out_a, "out_a");
+  }
+  for (const auto& [name, t] :
+       {std::pair<const char*, const at::Tensor*>{"out_a", &out_a}, {"out_b", &out_b}, {"out", &out}}) {
+    check_last_dim_contiguous(op, name, *t);
+  }
+  check_lse(op, "lse_a", lse_a, out_a, "out_a");
+  check_lse(op, "lse_b", lse_b, out_a, "out_a");
+  if (lse.has_value()) check_lse(op, "lse", *lse, out_a, "out_a");
+  check_no_overlap(op, {{"out", &out}, {"lse", lse.has_value() ? &*lse : &kNoTensor}},
+                   {{"out_a", &out_a}, {"lse_a", &lse_a}, {"out_b", &out_b}, {"lse_b", &lse_b}});
+  MergeStatesParams p{};
+  p.out = rows_view(out);
+  p.lse = lse.has_value() ? rows_view(*lse) : RowsView{};
+  p.out_a = rows_view(out_a);
+  p.lse_a = rows_view(lse_a);
+  p.out_b = rows_view(out_b);
+  p.lse_b = rows_view(lse_b);
+  p.dtype = to_dtype(dtype);
+  p.num_tokens = out_a.size(0);
+  p.num_heads = static_cast<int>(out_a.size(1));
+  p.head_size = static_cast<int>(out_a.size(2));
   return p;
 }
 

@@ -10,7 +10,10 @@ TORCH_LIBRARY(fp8kv, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor? cu_seqlens_q, float softmax_scale, "
       "Tensor k_scale, Tensor v_scale, int sliding_window=-1, float logits_soft_cap=0.0, bool hadamard=False, "
-      "Tensor? k_offset=None, bool fp8_math=False) -> ()");
+      "Tensor? k_offset=None, bool fp8_math=False, Tensor(b!)? lse=None) -> ()");
+  m.def(
+      "merge_attention_states(Tensor(a!) out, Tensor(b!)? lse, Tensor out_a, Tensor lse_a, Tensor out_b, "
+      "Tensor lse_b) -> ()");
   m.def("kv_amax(Tensor key, Tensor value, Tensor(a!) k_amax, Tensor(b!) v_amax) -> ()");
   // Index checks on request: they read index tensors on the host (a device tensor is copied, which
   // synchronizes), the checks the CPU kernels always run and device kernels run only with

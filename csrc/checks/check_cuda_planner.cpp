@@ -1,6 +1,6 @@
 // Host check of the CUDA decode planner (csrc/cuda/heuristics.h), run by scripts/check_cuda_sources.sh;
-// not part of the library. Also which kernel takes a multi-token call, and the decode kernel's items
-// for short ones. The split counts of the benchmark's decode shapes on an H100 (132 SMs; an H200
+// not part of the library. Also which kernel takes a multi-token call, the decode kernel's items
+// for short ones, and the splits of a call that writes the log-sum-exp. The split counts of the benchmark's decode shapes on an H100 (132 SMs; an H200
 // gives the planner the same facts, and its measured best bytes in flight is the same 3 MiB:
 // docs/cuda_decode_design.md), worked out by hand below, and over a sweep of shapes: the count is
 // never below that of the nearest-items rule; where the bytes-in-flight rule raises it the items stay
@@ -115,6 +115,14 @@ void check_sweep() {
               expect(static_cast<int64_t>(got->count) * got->tokens >= capacity &&
                          static_cast<int64_t>(got->count - 1) * got->tokens < capacity,
                      shape + ": the splits cover the table, none empty");
+              // A call with the log-sum-exp: at least two splits, still whole tile groups within the
+              // staged slice, covering the table; a plan of several unchanged.
+              const Splits lse = at_least_two(*got, decode::kTileGroup);
+              expect(lse.count >= 2 && lse.tokens % decode::kTileGroup == 0 &&
+                         lse.tokens <= decode::max_split_tokens(p.block_size) &&
+                         static_cast<int64_t>(lse.count) * lse.tokens >= capacity &&
+                         (got->count == 1 || (lse.count == got->count && lse.tokens == got->tokens)),
+                     shape + ": the log-sum-exp's splits");
             }
           }
         }

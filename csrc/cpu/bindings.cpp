@@ -22,15 +22,20 @@ void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
                          const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
                          double logits_soft_cap, bool hadamard, const std::optional<at::Tensor>& k_offset,
-                         bool fp8_math) {
-  const PagedAttentionParams p = paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                                        cu_seqlens_q, softmax_scale, k_scale, v_scale, sliding_window,
-                                                        logits_soft_cap, hadamard, k_offset, fp8_math);
+                         bool fp8_math, const std::optional<at::Tensor>& lse) {
+  const PagedAttentionOperands p = paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                                          cu_seqlens_q, softmax_scale, k_scale, v_scale, sliding_window,
+                                                          logits_soft_cap, hadamard, k_offset, fp8_math, lse);
   TORCH_CHECK(!fp8_math, "fp8kv.paged_attention: `fp8_math` needs the CUDA kernels on a compute capability ",
               kCudaSm90aCapability[0], ".", kCudaSm90aCapability[1], " GPU; the CPU kernels compute in fp32");
   check_paged_attention_indices(block_tables, seq_lens, cu_seqlens_q, query.size(0), key_cache.size(1),
                                 key_cache.size(0), sliding_window);
-  cpu::paged_attention(p);
+  cpu::paged_attention(p.params, p.lse);
+}
+
+void merge_attention_states_cpu(at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& out_a,
+                                const at::Tensor& lse_a, const at::Tensor& out_b, const at::Tensor& lse_b) {
+  cpu::merge_attention_states(merge_states_params(out, lse, out_a, lse_a, out_b, lse_b));
 }
 
 void kv_amax_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_amax, at::Tensor& v_amax) {
@@ -43,6 +48,7 @@ TORCH_LIBRARY_IMPL(fp8kv, CPU, m) {
   m.impl("reshape_and_cache", &reshape_and_cache_cpu);
   m.impl("paged_attention", &paged_attention_cpu);
   m.impl("kv_amax", &kv_amax_cpu);
+  m.impl("merge_attention_states", &merge_attention_states_cpu);
 }
 
 }  // namespace fp8kv

@@ -67,7 +67,7 @@ struct Scratch {
 };
 
 template <DType kQuery>
-void attend(const PagedAttentionParams& p, const WorkItem& item, int kv_head, Scratch& s) {
+void attend(const PagedAttentionParams& p, const RowsView& lse, const WorkItem& item, int kv_head, Scratch& s) {
   using Q = Element<kQuery>;
   const int group = p.num_heads / p.num_kv_heads;
   const int d_size = p.head_size;
@@ -174,12 +174,21 @@ void attend(const PagedAttentionParams& p, const WorkItem& item, int kv_head, Sc
       out_scale *= hadamard_norm(block);
     }
     for (int d = 0; d < d_size; ++d) o[d] = Q::from_float(acc[d] * out_scale);
+    if (lse.data != nullptr) {
+      // The logits' log-sum-exp, -inf without keys. Without a soft cap the logits above lack the
+      // rotated recipe's q . k_offset (softmax ignores it); the log-sum-exp does not.
+      const float offset = !soft_cap && k_offset != nullptr
+                               ? p.softmax_scale * dot(s.query.data() + static_cast<int64_t>(r) * d_size, k_offset, d_size)
+                               : 0.0f;
+      static_cast<float*>(lse.data)[lse.offset(q_begin + token, head)] =
+          s.row_sum[r] > 0.0f ? s.row_max[r] + std::log(s.row_sum[r]) + offset : -std::numeric_limits<float>::infinity();
+    }
   }
 }
 
 }  // namespace
 
-void paged_attention(const PagedAttentionParams& p) {
+void paged_attention(const PagedAttentionParams& p, const RowsView& lse) {
   std::vector<WorkItem> items;
   for (int seq = 0; seq < p.num_seqs; ++seq) {
     const int q_len = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq] : 1;
@@ -193,7 +202,7 @@ void paged_attention(const PagedAttentionParams& p) {
     at::parallel_for(0, num_work, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch;
       for (int64_t w = begin; w < end; ++w) {
-        attend<kQuery>(p, items[w / p.num_kv_heads], static_cast<int>(w % p.num_kv_heads), scratch);
+        attend<kQuery>(p, lse, items[w / p.num_kv_heads], static_cast<int>(w % p.num_kv_heads), scratch);
       }
     });
   });

@@ -120,6 +120,14 @@ inline Splits even_splits(int64_t capacity, int64_t count, int64_t align) {
           static_cast<int>(std::min<int64_t>(tokens, INT32_MAX))};
 }
 
+// A call that writes the log-sum-exp gets it from the split merge (merge.cu, from the splits' maxima
+// and sums), so it has at least two splits: one split becomes two halves of it (the second may be
+// empty, which the kernels and the merge handle as any split without keys).
+inline Splits at_least_two(const Splits& splits, int64_t align) {
+  if (splits.count > 1) return splits;
+  return {2, static_cast<int>((splits.tokens / 2 + align - 1) / align * align)};
+}
+
 // Splits = waves of equal CTAs: of the counts in [min_splits, max_splits] up to 4 waves' worth, the
 // one whose last wave is fullest, preferring fewer splits on ties. `slots`: resident CTAs on the device.
 inline int64_t fullest_last_wave(int64_t busy_ctas, int64_t slots, int64_t min_splits, int64_t max_splits) {

@@ -14,20 +14,21 @@ namespace fp8kv::cuda {
 int kernel_occupancy(const void* kernel, int threads, int max_smem_bytes, int smem_bytes);
 
 namespace merge {
-// Merges the splits of ws into p.out (merge.cu): a programmatic dependent launch on sm_90+, so it
-// starts while the attention grid before it finishes once that grid allows it (the decode kernel
-// does); a plain launch elsewhere.
-cudaError_t launch(const PagedAttentionParams& p, const SplitWorkspace& ws, cudaStream_t stream);
+// Where the merge writes each row's log-sum-exp (rows.data nullptr: nowhere), and the base-2 shift
+// the attention kernel gave its probabilities and sums (FP8 math's kProbabilityShift, else 0).
+struct LseOutput {
+  RowsView rows;
+  float log2_shift;
+};
 
-// What an attention launcher returns after launching its kernel: the launch's status, or with
-// several splits the merge's, launched after it.
-inline cudaError_t after_attention(const PagedAttentionParams& p, const SplitWorkspace& ws, cudaStream_t stream) {
-  const cudaError_t status = cudaGetLastError();
-  return status != cudaSuccess || ws.num_splits == 1 ? status : launch(p, ws, stream);
-}
+// Merges the splits of ws into p.out (merge.cu), launched right after the attention kernel: a
+// programmatic dependent launch on sm_90+, so it starts while the attention grid before it finishes
+// once that grid allows it (the decode kernel does); a plain launch elsewhere.
+cudaError_t launch(const PagedAttentionParams& p, const SplitWorkspace& ws, const LseOutput& lse, cudaStream_t stream);
 }  // namespace merge
 
-// The kernels' entry points, defined per cache format in paged_attention_<format>.cu. `occupancy`:
+// The kernels' entry points, defined per cache format in paged_attention_<format>.cu; each launches
+// its attention kernel only (paged_attention.cu launches the merge). `occupancy`:
 // the kernel's resident CTAs per SM on the current device (0 on error or for an unsupported head
 // size); the decode kernel's depends on the plan's split size (its block-table slices).
 namespace decode {

@@ -1,5 +1,7 @@
 // The split-KV merge shared by the decode and multi-token kernels: combines each (query row, head)'s
-// per-split partial results (attention_io.cuh's write_row) with log-sum-exp weights in fp32.
+// per-split partial results (attention_io.cuh's write_row) with log-sum-exp weights in fp32, and,
+// for a call that asks for it, writes the row's log-sum-exp.
+#include "../hadamard.h"
 #include "device.cuh"
 #include "launch.h"
 
@@ -11,11 +13,53 @@ namespace {
 // 32k, fit: 4 x kGroups is 32 for head size 128).
 constexpr int kEarlySplits = 4;
 
+constexpr float kLn2 = 0.6931471805599453f;
+
+// The rotated recipe's logit offset of a row, softmax_scale * (rotated query . k_offset[kv_head]), in
+// natural units: the kernels leave it out of the logits without a soft cap (softmax ignores it), the
+// log-sum-exp must not. Computed by the whole CTA (kThreads threads), in fp32, from the query itself
+// (rotated here by the butterflies of hadamard.h), returned to every thread.
+template <int D>
+__device__ __forceinline__ float query_offset_logit(const PagedAttentionParams& p, int64_t query_row, int head) {
+  __shared__ float q[D];
+  __shared__ float partial[kThreads / 32];
+  const auto* row = static_cast<const uint8_t*>(p.query) +
+                    (query_row * p.query_token_stride + static_cast<int64_t>(head) * p.query_head_stride) * 2;
+  for (int i = threadIdx.x; i < D / 2; i += kThreads) {
+    const float2 x = pair_as_float2(reinterpret_cast<const uint32_t*>(row)[i], p.query_dtype == DType::kBFloat16);
+    q[2 * i] = x.x, q[2 * i + 1] = x.y;
+  }
+  __syncthreads();
+  constexpr int kBlock = hadamard_block(D);
+  if (p.transform.hadamard) {
+    for (int h = 1; h < kBlock; h *= 2) {
+      for (int i = threadIdx.x; i < D / 2; i += kThreads) {
+        const int lo = i / h * 2 * h + i % h;
+        butterfly(q[lo], q[lo + h]);
+      }
+      __syncthreads();
+    }
+  }
+  const float* offset = p.transform.k_offset + static_cast<int64_t>(head / (p.num_heads / p.num_kv_heads)) * D;
+  float sum = 0.f;
+  for (int d = threadIdx.x; d < D; d += kThreads) sum += q[d] * offset[d];
+#pragma unroll
+  for (int mask = 16; mask > 0; mask >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sum;
+  __syncthreads();
+  sum = 0.f;
+#pragma unroll
+  for (int x = 0; x < kThreads / 32; ++x) sum += partial[x];
+  return p.softmax_scale * (p.transform.hadamard ? sum * hadamard_norm(kBlock) : sum);
+}
+
 // One CTA per row: thread s weighs split s (num_splits <= kMaxSplits); then each group of D/4 threads
 // sums a share of the splits as float4 vectors (independent loads, all in flight at once: its first
 // kEarlySplits issued with the maxima's and sums'), and the groups' sums are added through shared memory.
-template <int D>
-__global__ void __launch_bounds__(kThreads) merge_splits_kernel(const PagedAttentionParams p, SplitWorkspace ws) {
+// kLse: also the row's log-sum-exp into lse (a separate kernel, so that the other's code does not change).
+template <int D, bool kLse>
+__device__ __forceinline__ void merge_splits(const PagedAttentionParams& p, const SplitWorkspace& ws,
+                                             const LseOutput& lse) {
   constexpr int kVectors = D / 4;
   constexpr int kGroups = kThreads / kVectors;
   __shared__ float weights[kMaxSplits];
@@ -88,6 +132,26 @@ __global__ void __launch_bounds__(kThreads) merge_splits_kernel(const PagedAtten
                 (query_row * p.out_token_stride + static_cast<int64_t>(head) * p.out_head_stride + d) * 2;
     store_pair_from_float2(out, o0 * norm, o1 * norm, p.query_dtype == DType::kBFloat16);
   }
+  if constexpr (kLse) {
+    // The splits' maxima are base-2 logits and their sums are of 2^(logit - max + log2_shift).
+    const bool add_offset = p.logits_soft_cap <= 0.f && p.transform.k_offset != nullptr;
+    const float offset = add_offset ? query_offset_logit<D>(p, query_row, head) : 0.f;
+    if (threadIdx.x == 0) {
+      static_cast<float*>(lse.rows.data)[lse.rows.offset(query_row, head)] =
+          sum > 0.f ? (max_all - lse.log2_shift + log2f(sum)) * kLn2 + offset : -INFINITY;
+    }
+  }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) merge_splits_kernel(const PagedAttentionParams p, SplitWorkspace ws) {
+  merge_splits<D, false>(p, ws, LseOutput{});
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads)
+    merge_splits_lse_kernel(const PagedAttentionParams p, SplitWorkspace ws, LseOutput lse) {
+  merge_splits<D, true>(p, ws, lse);
 }
 
 // Compute capability major of the current device (0 on error).
@@ -102,7 +166,8 @@ int compute_capability_major() {
 
 }  // namespace
 
-cudaError_t launch(const PagedAttentionParams& p, const SplitWorkspace& ws, cudaStream_t stream) {
+cudaError_t launch(const PagedAttentionParams& p, const SplitWorkspace& ws, const LseOutput& lse,
+                   cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(ws.rows));
   config.blockDim = dim3(kThreads);
@@ -115,7 +180,9 @@ cudaError_t launch(const PagedAttentionParams& p, const SplitWorkspace& ws, cuda
     config.numAttrs = 1;
   }
   return dispatch<kCudaHeadSizes>(p.head_size, cudaErrorInvalidValue, [&](auto head) {
-    return cudaLaunchKernelEx(&config, merge_splits_kernel<decltype(head)::value>, p, ws);
+    constexpr int kHead = decltype(head)::value;
+    return lse.rows.data == nullptr ? cudaLaunchKernelEx(&config, merge_splits_kernel<kHead>, p, ws)
+                                    : cudaLaunchKernelEx(&config, merge_splits_lse_kernel<kHead>, p, ws, lse);
   });
 }
 

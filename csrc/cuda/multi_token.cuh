@@ -360,7 +360,7 @@ __device__ __forceinline__ void write_rows(const PagedAttentionParams& p, const 
 }
 
 // Launches a multi-token kernel on the plan's grid (query tiles, splits, KV heads x head chunks of
-// kRows-row CTAs), then the merge of its splits.
+// kRows-row CTAs).
 template <int kRows>
 cudaError_t launch_grid(void (*kernel)(PagedAttentionParams, SplitWorkspace, int), int threads, int smem_bytes,
                         const PagedAttentionParams& p, const AttentionPlan& plan, const SplitWorkspace& ws,
@@ -369,7 +369,7 @@ cudaError_t launch_grid(void (*kernel)(PagedAttentionParams, SplitWorkspace, int
   const dim3 grid(static_cast<unsigned>(plan.query_tiles), static_cast<unsigned>(plan.num_splits),
                   static_cast<unsigned>(p.num_kv_heads * map.head_chunks));
   kernel<<<grid, threads, smem_bytes, stream>>>(p, ws, plan.split_tokens);
-  return merge::after_attention(p, ws, stream);
+  return cudaGetLastError();
 }
 
 }  // namespace fp8kv::cuda::multi_token

@@ -40,12 +40,13 @@ bool current_device(DeviceFacts* device) {
          cudaDeviceGetAttribute(&device->minor, cudaDevAttrComputeCapabilityMinor, id) == cudaSuccess;
 }
 
-cudaError_t plan_decode(const PagedAttentionParams& p, const DeviceFacts& device, AttentionPlan& plan) {
+cudaError_t plan_decode(const PagedAttentionParams& p, bool lse, const DeviceFacts& device, AttentionPlan& plan) {
   plan.column_tiles = decode_column_tiles(p);
   plan.row_chunks = decode_row_chunk_bound(p);
   plan.sequence_table_bytes = p.cu_seqlens_q == nullptr ? 0 : decode::sequence_table_bytes(p.num_seqs);
-  const std::optional<Splits> splits = decode_splits(p, device);
+  std::optional<Splits> splits = decode_splits(p, device);
   if (!splits) return cudaErrorInvalidValue;  // refused by paged_attention_unsupported
+  if (lse) splits = at_least_two(*splits, decode::kTileGroup);
   plan.num_splits = splits->count, plan.split_tokens = splits->tokens;
   if (plan.row_chunks * plan.num_splits * p.num_kv_heads > INT32_MAX) return cudaErrorInvalidValue;
   const int resident = dispatch<kAttentionCacheDTypes>(p.cache_dtype, 0, [&](auto cache) {
@@ -55,7 +56,7 @@ cudaError_t plan_decode(const PagedAttentionParams& p, const DeviceFacts& device
   return plan.ctas == 0 ? cudaErrorInvalidConfiguration : cudaSuccess;
 }
 
-cudaError_t plan_multi_token(const PagedAttentionParams& p, const DeviceFacts& device, AttentionPlan& plan) {
+cudaError_t plan_multi_token(const PagedAttentionParams& p, bool lse, const DeviceFacts& device, AttentionPlan& plan) {
   plan.deep_staging = deep_staging(p);
   const int resident = dispatch<kAttentionCacheDTypes>(p.cache_dtype, 0, [&](auto cache) {
     constexpr DType kCache = decltype(cache)::value;
@@ -69,7 +70,8 @@ cudaError_t plan_multi_token(const PagedAttentionParams& p, const DeviceFacts& d
   const MultiTokenGrid grid = multi_token_grid(p, plan.kernel);
   plan.query_tiles = grid.query_tiles;
   if (plan.query_tiles > INT32_MAX) return cudaErrorInvalidValue;
-  const Splits splits = multi_token_splits(p, grid, static_cast<int64_t>(device.multiprocessors) * resident);
+  Splits splits = multi_token_splits(p, grid, static_cast<int64_t>(device.multiprocessors) * resident);
+  if (lse) splits = at_least_two(splits, multi_token::kSplitAlign);
   plan.num_splits = splits.count, plan.split_tokens = splits.tokens;
   return cudaSuccess;
 }
@@ -170,7 +172,7 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
   return "";
 }
 
-cudaError_t plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* plan) {
+cudaError_t plan_paged_attention(const PagedAttentionParams& p, bool lse, AttentionPlan* plan) {
   *plan = AttentionPlan{};
   plan->num_splits = 1;
   if (nothing_to_do(p)) return cudaSuccess;
@@ -179,21 +181,21 @@ cudaError_t plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* p
   const MultiTokenRequest request = multi_token_request();
   plan->kernel = attention_kernel(p, request, device);
   cudaError_t status =
-      plan->kernel == AttentionKernel::kDecode ? plan_decode(p, device, *plan) : plan_multi_token(p, device, *plan);
+      plan->kernel == AttentionKernel::kDecode ? plan_decode(p, lse, device, *plan) : plan_multi_token(p, lse, device, *plan);
   if (status == cudaErrorInvalidConfiguration && plan->kernel == AttentionKernel::kDecode &&
       p.cu_seqlens_q != nullptr && request == MultiTokenRequest::kAuto) {
     // Short queries the decode kernel cannot take on this device (its staging does not fit the shared
     // memory, as at head size 192 with 16-bit caches on GPUs of 99 KiB per CTA): a multi-token kernel.
     *plan = AttentionPlan{};
     plan->kernel = p.fp8_math ? AttentionKernel::kMultiTokenSm90aFp8Math : AttentionKernel::kMultiTokenSm80;
-    status = plan_multi_token(p, device, *plan);
+    status = plan_multi_token(p, lse, device, *plan);
   }
   plan->workspace_bytes = partials_bytes(p, *plan) + (plan->kernel == AttentionKernel::kDecode ? sizeof(int) : 0);
   return status;
 }
 
-cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, void* workspace,
-                            cudaStream_t stream) {
+cudaError_t paged_attention(const PagedAttentionParams& p, const RowsView& lse, const AttentionPlan& plan,
+                            void* workspace, cudaStream_t stream) {
   if (nothing_to_do(p)) return cudaSuccess;
   SplitWorkspace ws{};
   ws.rows = p.num_query_tokens * p.num_heads;
@@ -204,7 +206,7 @@ cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionPlan& 
     ws.row_sum = ws.row_max + plan.num_splits * ws.rows;
   }
   int* taken = reinterpret_cast<int*>(static_cast<uint8_t*>(workspace) + partials_bytes(p, plan));
-  return dispatch<kAttentionCacheDTypes>(p.cache_dtype, cudaErrorInvalidValue, [&](auto cache) {
+  const cudaError_t status = dispatch<kAttentionCacheDTypes>(p.cache_dtype, cudaErrorInvalidValue, [&](auto cache) {
     constexpr DType kCache = decltype(cache)::value;
     switch (plan.kernel) {
       case AttentionKernel::kDecode: return decode::launch<kCache>(p, plan, ws, taken, stream);
@@ -214,6 +216,10 @@ cudaError_t paged_attention(const PagedAttentionParams& p, const AttentionPlan& 
     }
     return cudaErrorInvalidValue;
   });
+  if (status != cudaSuccess || plan.num_splits == 1) return status;
+  const float shift = plan.kernel == AttentionKernel::kMultiTokenSm90aFp8Math
+                          ? multi_token::sm90a::fp8_math::kProbabilityShift : 0.f;
+  return merge::launch(p, ws, merge::LseOutput{lse, shift}, stream);
 }
 
 }  // namespace fp8kv::gpu

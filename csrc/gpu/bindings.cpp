@@ -42,11 +42,12 @@ void paged_attention_gpu(at::Tensor& out, const at::Tensor& query, const at::Ten
                          const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
                          const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
                          double logits_soft_cap, bool hadamard, const std::optional<at::Tensor>& k_offset,
-                         bool fp8_math) {
+                         bool fp8_math, const std::optional<at::Tensor>& lse) {
   constexpr const char* op = "fp8kv.paged_attention";
-  const PagedAttentionParams p = paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                                        cu_seqlens_q, softmax_scale, k_scale, v_scale, sliding_window,
-                                                        logits_soft_cap, hadamard, k_offset, fp8_math);
+  const PagedAttentionOperands operands = paged_attention_params(
+      out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale, k_scale, v_scale,
+      sliding_window, logits_soft_cap, hadamard, k_offset, fp8_math, lse);
+  const PagedAttentionParams& p = operands.params;
   const std::string unsupported = gpu::paged_attention_unsupported(p);
   TORCH_CHECK(unsupported.empty(), op, ": on ", gpu::kBackend, ", ", unsupported);
   if (debug_checks_enabled()) {
@@ -55,9 +56,16 @@ void paged_attention_gpu(at::Tensor& out, const at::Tensor& query, const at::Ten
   }
   const c10::DeviceGuard guard(query.device());
   gpu::AttentionPlan plan{};
-  check_launch(op, gpu::plan_paged_attention(p, &plan));
+  check_launch(op, gpu::plan_paged_attention(p, lse.has_value(), &plan));
   const at::Tensor workspace = at::empty({plan.workspace_bytes}, query.options().dtype(at::kByte));
-  check_launch(op, gpu::paged_attention(p, plan, workspace.data_ptr(), current_stream(query.device())));
+  check_launch(op, gpu::paged_attention(p, operands.lse, plan, workspace.data_ptr(), current_stream(query.device())));
+}
+
+void merge_attention_states_gpu(at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& out_a,
+                                const at::Tensor& lse_a, const at::Tensor& out_b, const at::Tensor& lse_b) {
+  const MergeStatesParams p = merge_states_params(out, lse, out_a, lse_a, out_b, lse_b);
+  const c10::DeviceGuard guard(out_a.device());
+  check_launch("fp8kv.merge_attention_states", gpu::merge_attention_states(p, current_stream(out_a.device())));
 }
 
 void kv_amax_gpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_amax, at::Tensor& v_amax) {
@@ -72,6 +80,7 @@ TORCH_LIBRARY_IMPL(fp8kv, CUDA, m) {
   m.impl("reshape_and_cache", &reshape_and_cache_gpu);
   m.impl("paged_attention", &paged_attention_gpu);
   m.impl("kv_amax", &kv_amax_gpu);
+  m.impl("merge_attention_states", &merge_attention_states_gpu);
 }
 
 }  // namespace fp8kv

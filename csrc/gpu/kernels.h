@@ -61,10 +61,15 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p);
 // How paged attention will run p on the current device (its multiprocessor count and the kernels'
 // occupancy set how many splits fill it), chosen on the host from sizes only (no device data), so a
 // captured graph replays it unchanged. AttentionPlan is each backend's own (above): the bindings
-// read only its `int64_t workspace_bytes` and pass the plan back to paged_attention.
-Status plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* plan);
+// read only its `int64_t workspace_bytes` and pass the plan back to paged_attention. `lse`: whether
+// the call writes the log-sum-exp (the split merge writes it, so such a plan has at least two splits).
+Status plan_paged_attention(const PagedAttentionParams& p, bool lse, AttentionPlan* plan);
 
-// `workspace`: plan.workspace_bytes of device memory on the current device (unused when 0).
-Status paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, void* workspace, Stream stream);
+// `workspace`: plan.workspace_bytes of device memory on the current device (unused when 0); `lse`:
+// the log-sum-exp output, as planned (data nullptr: none).
+Status paged_attention(const PagedAttentionParams& p, const RowsView& lse, const AttentionPlan& plan, void* workspace,
+                       Stream stream);
+
+Status merge_attention_states(const MergeStatesParams& p, Stream stream);
 
 }  // namespace fp8kv::gpu

@@ -13,7 +13,8 @@
 //
 // Split-KV: the host fixes the number of splits from sizes only (plan_paged_attention); each row
 // divides its own visible keys among them, so short rows use fewer, and a merge kernel combines
-// the splits' partial results (max, sum, unnormalized output) from the workspace.
+// the splits' partial results (max, sum, unnormalized output) from the workspace. A call that asks
+// for the log-sum-exp has at least two splits: the merge writes it.
 //
 // Multi-token rows (cu_seqlens_q given) run the same kernel: every row finds its sequence and its
 // causal range, and reads its keys itself (no reuse of K/V across the rows of a sequence).
@@ -62,6 +63,7 @@ struct AttentionLaunch {
   bool aligned;    // cache rows allow 8-element vector loads
   float* partial_out;    // [rows][num_heads][num_splits][head_size], when num_splits > 1
   float2* partial_stats;  // [rows][num_heads][num_splits]: (max logit, sum of exponentials)
+  RowsView lse;           // the merge's log-sum-exp output (data nullptr: none)
 };
 
 // The keys [begin, end) that query row `row` sees, and its sequence.
@@ -374,14 +376,48 @@ __global__ __launch_bounds__(kThreads) void paged_attention_kernel(PagedAttentio
   }
 }
 
-// Combines a row's splits per (row, query head): out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s,
-// times v_scale and `factor` (output_factor of the cache's format).
+// The rotated recipe's logit offset of query row `row` at `head`, softmax_scale * (q' . k_offset), which
+// the logits leave out without a soft cap (softmax ignores it) and the log-sum-exp must not: the query
+// rotated in LDS by hadamard.h's butterflies, in fp32. Every thread of the workgroup (kMaxHeadSize)
+// calls it and gets the value.
 template <typename Q>
+__device__ float query_offset_logit(const PagedAttentionParams& p, int64_t row, int head) {
+  __shared__ float q[kMaxHeadSize];
+  __shared__ float total;
+  const int d = threadIdx.x;
+  if (d < p.head_size) {
+    q[d] = Q::to_float(static_cast<const typename Q::Storage*>(p.query)[row * p.query_token_stride +
+                                                                        head * p.query_head_stride + d]);
+  }
+  __syncthreads();
+  const int block = p.transform.hadamard ? hadamard_block(p.head_size) : 1;
+  for (int h = 1; h < block; h *= 2) {
+    if (d < p.head_size / 2) butterfly(q[d / h * 2 * h + d % h], q[d / h * 2 * h + d % h + h]);
+    __syncthreads();
+  }
+  if (d == 0) {
+    const float* offset = p.transform.k_offset + static_cast<int64_t>(head / (p.num_heads / p.num_kv_heads)) * p.head_size;
+    float sum = 0.0f;
+    for (int i = 0; i < p.head_size; ++i) sum += q[i] * offset[i];
+    total = p.softmax_scale * (block > 1 ? sum * hadamard_norm(block) : sum);
+  }
+  __syncthreads();
+  return total;
+}
+
+// Combines a row's splits per (row, query head): out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s,
+// times v_scale and `factor` (output_factor of the cache's format); kLse: and M + log(sum_s e^(m_s - M)
+// l_s) into launch.lse.
+template <typename Q, bool kLse>
 __global__ __launch_bounds__(kMaxHeadSize) void merge_splits_kernel(PagedAttentionParams p, AttentionLaunch launch,
                                                                     float factor) {
   const int64_t row = blockIdx.x;
   const int head = blockIdx.y;
   const int d = threadIdx.x;
+  float offset = 0.0f;
+  if constexpr (kLse) {
+    if (p.logits_soft_cap <= 0.0f && p.transform.k_offset != nullptr) offset = query_offset_logit<Q>(p, row, head);
+  }
   if (d >= p.head_size) return;
   const RowKeys keys = row_keys(p, row);
   const int count = keys.end - keys.begin;
@@ -402,6 +438,12 @@ __global__ __launch_bounds__(kMaxHeadSize) void merge_splits_kernel(PagedAttenti
   const float scale = sum > 0.0f ? *p.v_scale.at(kv_head) * factor / sum : 0.0f;
   auto* dst = static_cast<typename Q::Storage*>(p.out) + row * p.out_token_stride + head * p.out_head_stride;
   dst[d] = Q::from_float(out * scale);
+  if constexpr (kLse) {
+    if (d == 0) {
+      static_cast<float*>(launch.lse.data)[launch.lse.offset(row, head)] =
+          sum > 0.0f ? max_logit + logf(sum) + offset : -INFINITY;
+    }
+  }
 }
 
 int heads_per_tile(const PagedAttentionParams& p) {
@@ -420,8 +462,14 @@ hipError_t launch_tiles(const PagedAttentionParams& p, const AttentionLaunch& la
                      launch);
   hipError_t status = hipGetLastError();
   if (status != hipSuccess || launch.num_splits == 1) return status;
-  hipLaunchKernelGGL(merge_splits_kernel<Q>, dim3(static_cast<unsigned int>(p.num_query_tokens), p.num_heads),
-                     dim3(kMaxHeadSize), 0, stream, p, launch, output_factor<Cache>(p));
+  const dim3 rows(static_cast<unsigned int>(p.num_query_tokens), p.num_heads);
+  if (launch.lse.data == nullptr) {
+    hipLaunchKernelGGL((merge_splits_kernel<Q, false>), rows, dim3(kMaxHeadSize), 0, stream, p, launch,
+                       output_factor<Cache>(p));
+  } else {
+    hipLaunchKernelGGL((merge_splits_kernel<Q, true>), rows, dim3(kMaxHeadSize), 0, stream, p, launch,
+                       output_factor<Cache>(p));
+  }
   return hipGetLastError();
 }
 
@@ -468,7 +516,7 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
   return "";
 }
 
-Status plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* plan) {
+Status plan_paged_attention(const PagedAttentionParams& p, bool lse, AttentionPlan* plan) {
   int compute_units = 0;
   const hipError_t status = current_compute_units(&compute_units);
   if (status != hipSuccess) return status;
@@ -477,14 +525,15 @@ Status plan_paged_attention(const PagedAttentionParams& p, AttentionPlan* plan) 
   const int64_t workgroups = std::max<int64_t>(1, p.num_query_tokens * p.num_kv_heads * head_tiles(p));
   const int64_t to_fill = ceil_div<int64_t>(static_cast<int64_t>(kWorkgroupsPerUnit) * compute_units, workgroups);
   const int64_t useful = ceil_div<int64_t>(longest, kMinSplitTokens);
-  const int64_t splits = std::max<int64_t>(1, std::min({to_fill, useful, static_cast<int64_t>(kMaxGridZ)}));
+  const int64_t splits = std::max<int64_t>(lse ? 2 : 1, std::min({to_fill, useful, static_cast<int64_t>(kMaxGridZ)}));
   plan->num_splits = static_cast<int>(splits);
   plan->workspace_bytes =
       splits == 1 ? 0 : p.num_query_tokens * p.num_heads * splits * (p.head_size + 2) * static_cast<int64_t>(sizeof(float));
   return hipSuccess;
 }
 
-Status paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan, void* workspace, Stream stream) {
+Status paged_attention(const PagedAttentionParams& p, const RowsView& lse, const AttentionPlan& plan, void* workspace,
+                       Stream stream) {
   if (p.num_query_tokens == 0) return hipSuccess;
   const int cache_bytes = dtype_bytes(p.cache_dtype);
   const int64_t partial_floats = p.num_query_tokens * p.num_heads * plan.num_splits * p.head_size;
@@ -498,6 +547,7 @@ Status paged_attention(const PagedAttentionParams& p, const AttentionPlan& plan,
                      {p.value_cache.block_stride, p.value_cache.token_stride, p.value_cache.head_stride});
   launch.partial_out = static_cast<float*>(workspace);
   launch.partial_stats = reinterpret_cast<float2*>(launch.partial_out + partial_floats);
+  launch.lse = lse;
   return dispatch<kQueryDTypes>(p.query_dtype, hipErrorInvalidValue, [&](auto query) {
     constexpr DType kQuery = decltype(query)::value;
     // An unquantized cache has the query's dtype.

@@ -55,10 +55,17 @@ def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, k_
 def _paged_attention_fake(
     out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
     k_scale, v_scale, sliding_window=-1, logits_soft_cap=0.0, hadamard=False, k_offset=None, fp8_math=False,
+    lse=None,
 ) -> None:
     _check_one_device("fp8kv.paged_attention", query=query, out=out, key_cache=key_cache, value_cache=value_cache,
                       block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, k_scale=k_scale,
-                      v_scale=v_scale, k_offset=k_offset)
+                      v_scale=v_scale, k_offset=k_offset, lse=lse)
+
+
+@torch.library.register_fake("fp8kv::merge_attention_states")
+def _merge_attention_states_fake(out, lse, out_a, lse_a, out_b, lse_b) -> None:
+    _check_one_device("fp8kv.merge_attention_states", out_a=out_a, out=out, lse=lse, lse_a=lse_a, out_b=out_b,
+                      lse_b=lse_b)
 
 
 @torch.library.register_fake("fp8kv::kv_amax")

@@ -17,7 +17,7 @@ from . import _ops  # noqa: F401  (loads the library)
 from .layer import KVCacheLayer
 
 __all__ = sorted(["reshape_and_cache", "paged_attention", "kv_amax", "check_cache_write_indices",
-                  "check_paged_attention_indices"])
+                  "check_paged_attention_indices", "merge_attention_states"])
 
 
 def __dir__() -> list[str]:
@@ -39,16 +39,21 @@ _TENSORS = {
     "cu_seqlens_q": "None or an int32 tensor [num_seqs + 1]",
     "k_amax": "a float32 tensor [1] or [num_kv_heads]",
     "v_amax": "a float32 tensor [1] or [num_kv_heads]",
+    "lse": "None or a float32 tensor [num_tokens, num_heads] to write",
+    "out_a": "a tensor [num_tokens, num_heads, head_size]",
+    "out_b": "a tensor [num_tokens, num_heads, head_size]",
+    "lse_a": "a float32 tensor [num_tokens, num_heads]",
+    "lse_b": "a float32 tensor [num_tokens, num_heads]",
 }
 
 
 def _check_arguments(op: str, **arguments) -> None:
     """Raises TypeError naming the first of `arguments` that is not what it must be (a tensor, None
-    only for cu_seqlens_q, a KVCacheLayer for layer).
+    only for cu_seqlens_q and lse, a KVCacheLayer for layer).
     A type check per argument, no data read: cheap enough for every decode step."""
     for name, value in arguments.items():
         expected = KVCacheLayer if name == "layer" else torch.Tensor
-        if not isinstance(value, expected) and not (value is None and name == "cu_seqlens_q"):
+        if not isinstance(value, expected) and not (value is None and name in ("cu_seqlens_q", "lse")):
             raise TypeError(f"fp8kv.ops.{op}: {name} must be {_TENSORS[name]}, got {type(value).__name__}")
 
 
@@ -79,6 +84,7 @@ def paged_attention(
     sliding_window: int = -1,
     logits_soft_cap: float = 0.0,
     fp8_math: bool = False,
+    lse: torch.Tensor | None = None,
 ) -> None:
     """Attention of `query` over `layer`'s paged caches (read with the layer's recipe and scales),
     written into `out`.
@@ -99,14 +105,41 @@ def paged_attention(
         refused elsewhere. Calls the decode kernel takes (decode, and short queries: at most 16 query
         rows per sequence and KV head on average) keep 16-bit math: they are bound by memory.
         docs/ops.md gives its accuracy and speed.
-    A decode row whose sequence has seq_len 0 (batch padding) gets zeros.
+    lse: None, or float32 [num_query_tokens, num_heads] (any strides) that receives each row's
+        log-sum-exp: the natural log of sum_j exp(logit_j) over the keys the row sees, the logits as
+        softmax weighs them (scale, soft cap, recipe included); -inf for a row without keys. With
+        the output it is the row's attention state for merge_attention_states.
+    A decode row whose sequence has seq_len 0 (batch padding) gets zeros (and lse -inf).
     """
     _check_arguments("paged_attention", out=out, query=query, layer=layer, block_tables=block_tables,
-                     seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q)
+                     seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, lse=lse)
     torch.ops.fp8kv.paged_attention(
         out, query, layer.key_cache, layer.value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
         layer.k_scale, layer.v_scale, sliding_window, logits_soft_cap, layer.hadamard, layer.k_offset, fp8_math,
+        lse,
     )
+
+
+def merge_attention_states(
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    out_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    out_b: torch.Tensor,
+    lse_b: torch.Tensor,
+) -> None:
+    """Merges two attention states of the same query rows over disjoint sets of keys (a shared prefix
+    and the rest, keys split across devices, a cache and new tokens) into the state over their union.
+
+    out_a, out_b, out: [num_tokens, num_heads, head_size], one dtype of fp16/bf16/fp32, last dim
+        contiguous. lse_a, lse_b: float32 [num_tokens, num_heads], natural-log log-sum-exp of each
+        row's logits (paged_attention's `lse`); lse: None, or where the merged one goes.
+    Per row, in fp32: out = (e^lse_a out_a + e^lse_b out_b) / (e^lse_a + e^lse_b), lse =
+    log(e^lse_a + e^lse_b). A side with lse -inf (no keys) does not enter, whatever its output holds;
+    with both -inf the row gets zeros and -inf. A NaN log-sum-exp makes the row NaN.
+    """
+    _check_arguments("merge_attention_states", out=out, lse=lse, out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+    torch.ops.fp8kv.merge_attention_states(out, lse, out_a, lse_a, out_b, lse_b)
 
 
 def kv_amax(key: torch.Tensor, value: torch.Tensor, k_amax: torch.Tensor, v_amax: torch.Tensor) -> None:

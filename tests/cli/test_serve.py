@@ -10,86 +10,37 @@ computed here from the model's geometry."""
 import argparse
 import concurrent.futures
 import json
-import os
 import pathlib
-import queue
-import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
-import urllib.error
 import urllib.request
 
 import pytest
 import torch
+from served import (BLOCK_BYTES, CUDA_STARTUP_S, KV_CACHE_GIB, LAYERS, MAX_TOKENS, PAGE, STARTUP_S,
+                    STOP_S, V_SCALE, Server, openai, transformers, write_checkpoint)
+from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
-for package in ("fastapi", "uvicorn", "openai", "psutil"):  # transformers' server and the client
-    pytest.importorskip(package)
-import openai  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
+from checkpoints import scale_tensors
+from fp8kv import load_kv_cache_config
+from fp8kv.cli import main
+from fp8kv.commands.arguments import FP8
+from fp8kv.formats import KVCacheConfig, format_names
+from fp8kv.integrations.transformers import PagedCache, cache_argument, enable
+from fp8kv.loading import load_causal_lm
 
-from checkpoints import scale_tensors  # noqa: E402
-from fp8kv import load_kv_cache_config  # noqa: E402
-from fp8kv.cli import main  # noqa: E402
-from fp8kv.commands.arguments import FP8  # noqa: E402
-from fp8kv.formats import KVCacheConfig, format_names  # noqa: E402
-from fp8kv.integrations.transformers import PagedCache, cache_argument, enable  # noqa: E402
-from fp8kv.integrations.transformers_continuous_batching import (UnsupportedTransformersError,  # noqa: E402
-                                                                  install_hooks)
-from fp8kv.loading import load_causal_lm  # noqa: E402
-
-try:  # what the server does first with the model: refused outside the transformers releases it supports
-    install_hooks()
-except UnsupportedTransformersError as e:
-    pytest.skip(str(e), allow_module_level=True)
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
-LAYERS, KV_HEADS, HEAD_SIZE, VOCAB = 2, 2, 64, 64
-PAGE = 256  # transformers' page size, in tokens
-KV_CACHE_GIB = 0.01
-# Large scales put K and V among e4m3's subnormals: answers differ from a cache with scale 1.0.
-K_SCALE, V_SCALE = 16.0, 8.0
-STARTUP_S, STOP_S = 120, 30
-# `python -m fp8kv` in a process whose SIGINT is ignored before fp8kv starts (the arguments follow).
-IGNORING_SIGINT = ("import runpy, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-                   "runpy.run_module('fp8kv', run_name='__main__', alter_sys=True)")
-# On a GPU shared with a parallel test run (pytest -n 16 -m gpu) a server took more than 120 s to start.
-CUDA_STARTUP_S = 600
+# `python -m fp8kv` in a process whose SIGINT is ignored before fp8kv starts.
+IGNORING_SIGINT = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)"
 PROMPTS = ["w5 w6 w7", "w40 w2 w33 w19 w8", "w11", "w58 w57 w56 w55 w54 w53 w52"]
-MAX_TOKENS = 12
 
 
 # ----------------------------------------------------------------------------- the model and its references
-
-
-def write_checkpoint(directory: pathlib.Path, initializer_range: float = 0.02) -> pathlib.Path:
-    """A tiny random Llama (2 layers, 4 query and 2 KV heads of 64) with per-layer KV cache scales, and a
-    word-level tokenizer with a chat template (no download), in `directory`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    words = ["<bos>", "<unk>", "<eos>"] + [f"w{i}" for i in range(VOCAB - 3)]
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<bos>", unk_token="<unk>",
-                                                eos_token="<eos>")
-    fast.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
-                                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=KV_HEADS,
-                                      max_position_embeddings=256, bos_token_id=0, eos_token_id=2,
-                                      initializer_range=initializer_range)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    fast.save_pretrained(directory)
-    weights = directory / "model.safetensors"
-    save_file({**load_file(weights), **scale_tensors([K_SCALE] * LAYERS, [V_SCALE] * LAYERS)}, str(weights),
-              metadata={"format": "pt"})
-    return directory
 
 
 @pytest.fixture(scope="module")
@@ -134,76 +85,6 @@ def reference(checkpoint):
 # ----------------------------------------------------------------------------- the server as a subprocess
 
 
-class Server:
-    """`python -m fp8kv serve` on a free loopback port (--port 0, the start-up line gives it), ready
-    once /health answers; `name` is the model's name for the clients (--model as given)."""
-
-    def __init__(self, checkpoint, log_path, device: str = "cpu", startup_s: float = STARTUP_S,
-                 sigint_ignored: bool = False):
-        self.name, self.startup_s = str(checkpoint), startup_s
-        self.log = open(log_path, "w+")
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: one thread, no synchronization
-        # sigint_ignored: the process runs with SIGINT ignored from its start, as a background job of a
-        # non-interactive shell does (the disposition it inherits).
-        start = ["-c", IGNORING_SIGINT] if sigint_ignored else ["-m", "fp8kv"]
-        self.process = subprocess.Popen(
-            [sys.executable, *start, "serve", "--model", self.name, "--port", "0", "--device", device,
-             "--kv-cache-memory", str(KV_CACHE_GIB)],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
-        self.startup_line = self._first_line()
-        match = re.search(r" at http://127\.0\.0\.1:(\d+)/v1; ", self.startup_line)
-        assert match, self.startup_line
-        self.port = int(match[1])
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0,
-                                    timeout=self.startup_s)
-        self._wait_until_healthy()
-
-    def _first_line(self) -> str:
-        lines = queue.Queue()
-        threading.Thread(target=lambda: lines.put(self.process.stdout.readline()), daemon=True).start()
-        try:
-            line = lines.get(timeout=self.startup_s)
-        except queue.Empty:
-            pytest.fail(f"no start-up line in {self.startup_s} s: {self.stderr()}")
-        assert line, f"the server exited with status {self.process.wait()}: {self.stderr()}"
-        return line
-
-    def _wait_until_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_s
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=self.startup_s) as response:
-                    assert json.load(response) == {"status": "ok"}
-                    return
-            except ConnectionError:  # bound, not listening yet
-                time.sleep(0.1)
-            except urllib.error.URLError as e:
-                if not isinstance(e.reason, ConnectionError):
-                    raise
-                time.sleep(0.1)
-        pytest.fail(f"/health did not answer in {self.startup_s} s: {self.stderr()}")
-
-    def chat(self, prompt: str, stream: bool = False) -> tuple[str, str]:
-        """(answer, finish reason) of a chat completion, streamed or not."""
-        request = dict(model=self.name, messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS)
-        if not stream:
-            choice = self.client.chat.completions.create(**request).choices[0]
-            return choice.message.content, choice.finish_reason
-        chunks = list(self.client.chat.completions.create(**request, stream=True))
-        return "".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason
-
-    def stderr(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
-        self.process.stdout.close()
-        self.log.close()
-
-
 @pytest.fixture(scope="module")
 def server(checkpoint, tmp_path_factory):
     served = Server(checkpoint, tmp_path_factory.mktemp("logs") / "server.log")
@@ -214,7 +95,8 @@ def server(checkpoint, tmp_path_factory):
 @pytest.fixture
 def fresh_server(checkpoint, tmp_path, request):
     """A server of its own; `request.param` (indirect parametrization): whether it starts with SIGINT ignored."""
-    served = Server(checkpoint, tmp_path / "server.log", sigint_ignored=getattr(request, "param", False))
+    prelude = IGNORING_SIGINT if getattr(request, "param", False) else None
+    served = Server(checkpoint, tmp_path / "server.log", prelude=prelude)
     yield served
     served.close()
 
@@ -223,8 +105,7 @@ def fresh_server(checkpoint, tmp_path, request):
 
 
 def test_startup_line_says_what_is_served(server, checkpoint):
-    block_bytes = LAYERS * 2 * KV_HEADS * HEAD_SIZE * PAGE  # one byte per element
-    blocks = int(KV_CACHE_GIB * 2**30) // block_bytes
+    blocks = int(KV_CACHE_GIB * 2**30) // BLOCK_BYTES
     line = server.startup_line
     assert line.startswith(f"fp8kv serve: {checkpoint} ({checkpoint}, bfloat16 on cpu) at http://127.0.0.1:"), line
     assert f"float8_e4m3fn pages (rotated recipe, scales: " in line and f"{checkpoint}" in line, line
@@ -234,6 +115,57 @@ def test_startup_line_says_what_is_served(server, checkpoint):
 
 def test_models_lists_the_served_model(server):
     assert [model.id for model in server.client.models.list()] == [server.name]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+@pytest.mark.parametrize("given", [None, "client-id-7", "client-\xe9"], ids=["new", "given", "given-latin-1"])
+def test_each_answer_carries_its_request_id(server, stream, given):
+    """The x-request-id header the client sends (any bytes: a header is latin-1), else a new one, comes back
+    as the one such header and as the id of the completion (of every chunk of a stream)."""
+    body = {"model": server.name, "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": 3,
+            "stream": stream}
+    headers = {"Content-Type": "application/json"} | ({"x-request-id": given} if given else {})
+    asked = urllib.request.Request(f"{server.url}/v1/chat/completions", json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(asked, timeout=STARTUP_S) as response:
+        request_ids, text = response.headers.get_all("x-request-id"), response.read().decode()
+    ids = ({json.loads(line[6:])["id"] for line in text.splitlines() if line.startswith("data: ")} if stream
+           else {json.loads(text)["id"]})
+    assert len(request_ids) == 1 and ids == set(request_ids), (ids, request_ids)
+    assert request_ids[0] == given if given else len(request_ids[0]) == 36, request_ids
+
+
+def test_a_model_without_an_eos_token_answers_up_to_max_tokens(tmp_path):
+    """transformers' worker takes such a model's eos_token_id (None) as -1: requests, whose own configs say None,
+    were refused for asking for another generation config."""
+    served = Server(write_checkpoint(tmp_path / "endless", ends=False), tmp_path / "server.log")
+    try:
+        for stream in (False, True):
+            assert served.chat(PROMPTS[0], stream=stream, max_tokens=40)[1] == "length"
+        status, body = served.post({"messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 40})
+        assert status == 200 and body["usage"]["completion_tokens"] == 40, body
+    finally:
+        served.close()
+
+
+def test_the_request_id_middleware_is_replaced_where_there_is_exactly_one():
+    """Where transformers' id middleware were not found, both would run, each giving its own id."""
+    from fastapi import FastAPI
+    from starlette.middleware.base import BaseHTTPMiddleware
+
+    from fp8kv.commands.errors import CommandError
+    from fp8kv.commands.serve import _replace_request_id_middleware
+
+    app = FastAPI()
+
+    @app.middleware("http")
+    async def request_id_middleware(request, call_next):
+        return await call_next(request)
+
+    _replace_request_id_middleware(app)
+    assert [middleware.cls.__name__ for middleware in app.user_middleware] == ["RequestIds"]
+    assert not any(middleware.cls is BaseHTTPMiddleware for middleware in app.user_middleware)
+    with pytest.raises(CommandError, match="has no one request_id_middleware for fp8kv to replace"):
+        _replace_request_id_middleware(app)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
@@ -299,7 +231,7 @@ def test_a_signal_stops_the_server_after_the_answers_in_flight(fresh_server, ref
     assert fresh_server.process.wait(timeout=STOP_S) == status, fresh_server.stderr()
     assert "Traceback" not in fresh_server.stderr()
     # The last line, once the worker has stopped (uvicorn's access log comes before it on stdout).
-    assert fresh_server.process.stdout.read().splitlines()[-1] == "fp8kv serve: stopped"
+    assert fresh_server.stdout().splitlines()[-1] == "fp8kv serve: stopped"
     with socket.socket() as again:
         again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         again.bind(("127.0.0.1", fresh_server.port))
@@ -372,9 +304,8 @@ def test_a_tokenizer_without_chat_template_is_refused(checkpoint, tmp_path, caps
 
 def test_memory_below_one_block_is_refused_before_the_model_loads(checkpoint, capsys, no_model_loading):
     status, err = run(["--model", str(checkpoint), "--kv-cache-memory", "1e-4"], capsys)
-    block_bytes = LAYERS * 2 * KV_HEADS * HEAD_SIZE * PAGE
     assert status == 2 and err == (f"fp8kv serve: error: argument --kv-cache-memory: 0.0001 GiB holds no block of "
-                                   f"{PAGE} tokens ({block_bytes:,} bytes)\n")
+                                   f"{PAGE} tokens ({BLOCK_BYTES:,} bytes)\n")
 
 
 def test_help_lists_the_fp8_formats(capsys):

@@ -16,6 +16,7 @@ from fp8kv.formats import KVCacheConfig
 
 transformers = pytest.importorskip("transformers")
 from fp8kv.integrations import transformers_cb_steps as cb_steps  # noqa: E402
+from fp8kv.integrations import transformers_continuous_batching as continuous_batching  # noqa: E402
 from fp8kv.integrations.transformers import PagedCache, cache_argument, enable, enable_continuous_batching  # noqa: E402
 
 SM90A = torch.cuda.is_available() and torch.cuda.get_device_capability() == supported_values("cuda_sm90a_capability")
@@ -112,6 +113,10 @@ def test_generate_with_a_paged_cache_in_fp8_math(device):
 def test_continuous_batching_in_fp8_math(device):
     """enable_continuous_batching(fp8_math=True): transformers' cache holds fp8kv's pages and its layers
     attend in FP8 math on the GPU; the CPU refuses the step, and the request says so."""
+    try:  # outside the transformers releases the hooks support (test_continuous_batching_unsupported.py)
+        continuous_batching.check_transformers()
+    except continuous_batching.UnsupportedTransformersError as e:
+        pytest.skip(str(e))
     model = enable_continuous_batching(tiny_model(device), config("float8_e4m3fn"), fp8_math=True)
     prompts = [torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (150, 90)]
     generation = transformers.GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=-1, pad_token_id=0)

@@ -382,6 +382,7 @@ struct AttentionCase {
   Layout layout = Layout::kNHD;
   int compute_units = 4;
   Recipe recipe = Recipe::kPlain;
+  bool lse = false;  // also the log-sum-exp output (checked against the reference's)
 };
 
 std::string describe(const AttentionCase& c) {
@@ -395,7 +396,7 @@ std::string describe(const AttentionCase& c) {
   }
   s += " window " + std::to_string(c.sliding_window) + " cap " + std::to_string(c.soft_cap) +
        (c.per_head ? " per-head" : "") + " layout " + std::to_string(static_cast<int>(c.layout)) + " cus " +
-       std::to_string(c.compute_units) + " " + recipe_name(c.recipe);
+       std::to_string(c.compute_units) + " " + recipe_name(c.recipe) + (c.lse ? " lse" : "");
   return s;
 }
 
@@ -506,9 +507,12 @@ void check_attention(const AttentionCase& c) {
   }
   hip_emulation::compute_units = c.compute_units;
   gpu::AttentionPlan plan{};
-  hipError_t status = gpu::plan_paged_attention(p, &plan);
+  std::vector<float> lse(c.lse ? static_cast<size_t>(rows) * num_heads : 0, std::nanf(""));
+  // [num_heads][rows], transposed: a strided output.
+  const RowsView lse_view{c.lse ? lse.data() : nullptr, 1, rows};
+  hipError_t status = gpu::plan_paged_attention(p, c.lse, &plan);
   std::vector<float> workspace(static_cast<size_t>(plan.workspace_bytes / 4));
-  if (status == hipSuccess) status = gpu::paged_attention(p, plan, workspace.data(), nullptr);
+  if (status == hipSuccess) status = gpu::paged_attention(p, lse_view, plan, workspace.data(), nullptr);
 
   // float64 reference and tolerance. Error sources: fp32 dot products, exponentials and sums (relative
   // ~1e-6 at these lengths), then one rounding of the output to the query dtype: half an ulp, 2^-11
@@ -550,6 +554,17 @@ void check_attention(const AttentionCase& c) {
         }
         double sum = 0.0;
         for (double& l : logits) sum += (l = std::exp(l - max_logit));
+        if (c.lse) {
+          // The reference's logits keep the K offsets (softmax ignores them, the log-sum-exp does not).
+          // fp32 logits, exponentials and sums: relative ~1e-6 of the logits' magnitude (~10 here).
+          const double want = hi <= lo ? -INFINITY : max_logit + std::log(sum);
+          const double got = lse[lse_view.offset(row, head)];
+          const bool ok = hi <= lo ? got == -INFINITY : std::fabs(got - want) <= 1e-5 * (1.0 + std::fabs(want));
+          if (!ok && ++bad <= 3) {
+            detail += " [lse row " + std::to_string(row) + " head " + std::to_string(head) + ": got " +
+                      std::to_string(got) + " want " + std::to_string(want) + "]";
+          }
+        }
         std::vector<double> want(d_size, 0.0);
         for (int d = 0; d < d_size; ++d) {
           for (int t = lo; t < hi; ++t) {
@@ -623,7 +638,84 @@ void run_attention_cases() {
   cases.push_back(with(centred, {bf16, e4m3fn, 128, 1, 4, 5, {40, 12}, {12, 3}, 10, 5.0f, true}));
   cases.push_back(with(rotated, {f16, fnuz, 48, 2, 2, 16, {20, 9, 33}, {4, 0, 7}}));
   cases.push_back(with(centred, {f16, e5m2, 64, 1, 2, 16, {520, 300}, {3, 2}, -1, 5.0f, false, Layout::kNHD, 64}));
+  // The log-sum-exp: decode with an empty row, many splits, a window, a soft cap, multi-token rows (an
+  // empty sequence), and the recipes, whose K offset the logits leave out without a cap.
+  const AttentionCase lse_cases[] = {
+      {f16, e4m3fn, 128, 2, 4, 16, {37, 0, 130}, {}},
+      {f16, fnuz, 64, 1, 4, 16, {700, 300, 5}, {}, -1, 0.0f, false, Layout::kNHD, 64},
+      {f16, e4m3fn, 64, 1, 8, 16, {650, 90}, {}, 200, 0.0f, false, Layout::kNHD, 1},
+      {bf16, fnuz, 96, 2, 3, 16, {300, 40}, {}, -1, 5.0f, false, Layout::kNHD, 64},
+      {f16, fnuz, 64, 2, 2, 16, {20, 9, 33}, {4, 0, 7}},
+      {bf16, bf16, 64, 1, 2, 16, {520, 300}, {3, 2}, 100, 0.0f, true},
+      with(centred, {f16, e4m3fn, 64, 2, 8, 16, {70, 0, 3}, {}}),
+      with(offset_only, {f16, e4m3fn, 80, 1, 4, 16, {90, 17}, {}, -1, 0.0f, false, Layout::kNHD, 64}),
+      with(centred, {bf16, e4m3fn, 128, 1, 4, 5, {40, 12}, {12, 3}, 10, 0.0f, true}),
+      with(centred, {bf16, fnuz, 96, 2, 3, 16, {300, 40}, {}, -1, 5.0f, false, Layout::kNHD, 64}),
+      with(rotated, {f16, e5m2, 256, 1, 2, 16, {45, 9}, {}}),
+  };
+  for (AttentionCase c : lse_cases) {
+    c.lse = true;
+    cases.push_back(c);
+  }
   for (const AttentionCase& c : cases) check_attention(c);
+}
+
+// merge_attention_states against float64: random states with a spread of log-sum-exps, rows whose one
+// side has no keys (-inf, its output NaN, which must not enter) and rows where both have none; out and
+// lse strided.
+void check_merge_states(DType dtype) {
+  const int tokens = 7, heads = 3, d_size = 40, rows = tokens * heads;
+  const int64_t out_token_stride = heads * (d_size + 8);  // padded rows
+  std::vector<uint8_t> a = zeros(dtype, tokens * out_token_stride), b = zeros(dtype, tokens * out_token_stride);
+  std::vector<uint8_t> out = zeros(dtype, tokens * out_token_stride);
+  std::vector<float> lse_a(rows), lse_b(rows), lse(2 * rows, std::nanf(""));
+  for (int r = 0; r < rows; ++r) {
+    lse_a[r] = r % 5 == 1 ? -INFINITY : normal(6.0f);
+    lse_b[r] = r % 5 == 2 || r % 7 == 1 ? -INFINITY : normal(6.0f);
+    for (int d = 0; d < d_size; ++d) {
+      const int64_t at = (r / heads) * out_token_stride + (r % heads) * (d_size + 8) + d;
+      store(dtype, a.data(), at, lse_a[r] == -INFINITY ? std::nanf("") : normal(1.0f));
+      store(dtype, b.data(), at, lse_b[r] == -INFINITY ? std::nanf("") : normal(1.0f));
+      store(dtype, out.data(), at, std::nanf(""));
+    }
+  }
+  MergeStatesParams p{};
+  const RowsView outs{nullptr, out_token_stride, d_size + 8};
+  p.out = outs, p.out_a = outs, p.out_b = outs;
+  p.out.data = out.data(), p.out_a.data = a.data(), p.out_b.data = b.data();
+  p.lse = RowsView{lse.data(), 2 * heads, 2};  // every other element
+  p.lse_a = RowsView{lse_a.data(), heads, 1};
+  p.lse_b = RowsView{lse_b.data(), heads, 1};
+  p.dtype = dtype;
+  p.num_tokens = tokens, p.num_heads = heads, p.head_size = d_size;
+  const hipError_t status = gpu::merge_attention_states(p, nullptr);
+  // Bound: the weights' fp32 exponentials and division (a few units of 2^-24 relative, times the log-sum-exps'
+  // difference from the exponent's argument), then one rounding to the dtype.
+  const double ulp = dtype == DType::kFloat32 ? std::ldexp(1.0, -23) : dtype == DType::kFloat16 ? std::ldexp(1.0, -10)
+                                                                                               : std::ldexp(1.0, -7);
+  int bad = 0;
+  std::string detail;
+  for (int r = 0; r < rows; ++r) {
+    const double la = lse_a[r], lb = lse_b[r], m = std::max(la, lb);
+    const double wa = m == -INFINITY ? 0.0 : std::exp(la - m), wb = m == -INFINITY ? 0.0 : std::exp(lb - m);
+    const double want_lse = m == -INFINITY ? -INFINITY : m + std::log(wa + wb);
+    const double got_lse = lse[p.lse.offset(r / heads, r % heads)];
+    bool ok = m == -INFINITY ? got_lse == -INFINITY : std::fabs(got_lse - want_lse) <= 1e-6 * (2.0 + std::fabs(want_lse));
+    for (int d = 0; d < d_size; ++d) {
+      const int64_t at = (r / heads) * out_token_stride + (r % heads) * (d_size + 8) + d;
+      const double xa = wa == 0.0 ? 0.0 : load(dtype, a.data(), at), xb = wb == 0.0 ? 0.0 : load(dtype, b.data(), at);
+      const double want = m == -INFINITY ? 0.0 : (wa * xa + wb * xb) / (wa + wb);
+      const double err = std::fabs(load(dtype, out.data(), at) - want);
+      const double spread = wa == 0.0 || wb == 0.0 ? 0.0 : std::fabs(la - lb);
+      ok = ok && err <= 0.5 * ulp * std::fabs(want) + (spread + 8.0) * std::ldexp(1.0, -24) * (std::fabs(xa) + std::fabs(xb));
+    }
+    if (!ok && ++bad <= 3) {
+      detail += " [row " + std::to_string(r) + ": lse got " + std::to_string(got_lse) + " want " +
+                std::to_string(want_lse) + "]";
+    }
+  }
+  report(status == hipSuccess && bad == 0, std::string("merge_attention_states ") + dtype_name(dtype),
+         std::to_string(bad) + " rows off" + detail);
 }
 
 }  // namespace
@@ -663,6 +755,7 @@ int main() {
     }
   }
   run_attention_cases();
+  for (DType dtype : sources) check_merge_states(dtype);
   std::printf("hip-emulation: %d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }

@@ -6,24 +6,33 @@ transformers' server loads the models its requests name; here its model manager 
 fp8kv loaded and enabled, under the name given to --model, and its continuous-batching worker starts
 before the server listens, so the cache is allocated (and its size printed) at start-up. The socket
 is bound before the model loads: a port in use fails at once, and `--port 0` takes a free one (the
-start-up line gives it). SIGINT and SIGTERM stop the server gracefully (uvicorn's shutdown), then the
-worker, then print a last line; the process then ends as the signal asks (SIGINT: exit status 130,
-SIGTERM: killed by it).
+start-up line gives it). SIGINT and SIGTERM stop the server: it stops listening, answers the requests
+in flight for up to --shutdown-timeout seconds, then ends those left with an error (a second signal
+ends them at once), stops the worker and prints a last line; the process then ends as the signal asks
+(SIGINT: exit status 130, SIGTERM: killed by it). Where the worker stops on its own, the server shuts
+down the same way and the process exits with status 1.
+
+The worker (serve_worker) refuses what can never be served and fails requests alone; the requests'
+fields are checked (serve_requests) before transformers' handlers read them.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
 import logging
+import math
 import signal
 import socket
+import threading
 import time
+import uuid
 
 from ..evaluate.pipeline import DTYPES, model_directory
 from ..formats import KVCacheDtype, format_names
 from ..models import SMOLLM2_MODEL, SMOLLM2_NAME
-from . import arguments
+from . import arguments, serve_requests, serve_worker
 from .errors import USAGE_ERROR, CommandError, blame, describe
 
 HELP = ("serve a model through an OpenAI-compatible API (transformers' server with continuous batching) on an FP8 "
@@ -33,15 +42,20 @@ DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8000
 # V for 93k tokens.
 CPU_KV_CACHE_GIB = 1.0
 SIGINT_STATUS = 130  # 128 + SIGINT, as a shell reports a process interrupted by Ctrl-C
+DEFAULT_SHUTDOWN_S = 10.0
+# After the requests left at --shutdown-timeout are ended, how long their answers may take to go out before
+# uvicorn cancels what still runs.
+CLOSING_S = 5.0
 INSTALL_SERVE = ('install fp8kv with its [serve] extra: python3 -m pip install --no-build-isolation ".[serve]" in the '
                  'source tree (README.md, Install)')
 
 # transformers' private methods overridden or called here, with their parameters, first to last (and
-# CBGenerateManager._cb, its worker, whose error says why it stopped).
+# CBGenerateManager._cb, its worker; serve_worker.PRIVATE lists those the worker relies on).
 _PRIVATE = {
     "ModelManager._load_processor": ("self", "model_id_and_revision", "gguf_file"),
     "ModelManager._load_model": ("self", "model_id_and_revision", "tqdm_class", "progress_callback", "gguf_file"),
     "BaseHandler._build_generation_config": ("self", "body", "model_generation_config", "use_cb"),
+    "BaseHandler._validate_request": ("self", "body"),
 }
 
 
@@ -67,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests per continuous-batching step (default: transformers', 1024)")
     parser.add_argument("--device", type=arguments.device, help=arguments.DEVICE_HELP)
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="bfloat16", help="model dtype (default bfloat16)")
+    parser.add_argument("--shutdown-timeout", type=_seconds, default=DEFAULT_SHUTDOWN_S,
+                        metavar="SECONDS", help="on SIGINT or SIGTERM, how long the requests in flight may take to "
+                        f"finish before they are ended with an error (default {DEFAULT_SHUTDOWN_S:g})")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on CUDA, run the steps without transformers' CUDA graphs and asynchronous batching "
                         "(default: with both)")
@@ -79,6 +96,16 @@ def _port(text: str) -> int:
         value = -1
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"expected a TCP port, 0 to 65535, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
     return value
 
 
@@ -108,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"argument --model: {e}") from e
     except continuous_batching.UnsupportedTransformersError as e:
         raise CommandError(str(e)) from e
-    server = Server(args.model, model, tokenizer, batching)
+    server = Server(args.model, model, tokenizer, batching, args.shutdown_timeout)
     # uvicorn shuts down gracefully on SIGINT or SIGTERM, then raises the signal again: SIGINT as
     # KeyboardInterrupt, SIGTERM through this handler, so that the worker stops before the process ends.
     # Python's SIGINT handler is set even where the process started with SIGINT ignored (a background job
@@ -132,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
         for number, handler in previous.items():
             signal.signal(number, handler)
     print("fp8kv serve: stopped", flush=True)
+    if server.death is not None:
+        raise CommandError(f"the continuous-batching worker stopped ({server.death}); the server stopped with it")
     if terminated:
         signal.raise_signal(signal.SIGTERM)  # ends the process as SIGTERM asks (where its handler is the default)
     return status
@@ -168,14 +197,20 @@ def check_server() -> None:
                            f"{INSTALL_SERVE}") from e
     found = {"ModelManager._load_processor": ModelManager._load_processor,
              "ModelManager._load_model": ModelManager._load_model,
-             "BaseHandler._build_generation_config": BaseHandler._build_generation_config}
+             "BaseHandler._build_generation_config": BaseHandler._build_generation_config,
+             "BaseHandler._validate_request": BaseHandler._validate_request} | serve_worker.private_functions()
     problems = []
-    for name, expected in _PRIVATE.items():
+    for name, expected in (_PRIVATE | serve_worker.PRIVATE).items():
+        if found[name] is None:
+            problems.append(f"it has no {name}")
+            continue
         parameters = tuple(inspect.signature(found[name]).parameters)
         if parameters[:len(expected)] != expected:
             problems.append(f"{name} takes ({', '.join(parameters)})")
     if not hasattr(CBGenerateManager(), "_cb"):
         problems.append("CBGenerateManager has no _cb")
+    if not isinstance(getattr(BaseHandler, "_unused_fields", None), set):
+        problems.append("BaseHandler has no _unused_fields")
     if problems:
         raise CommandError(f"transformers {transformers.__version__}'s server does not work as fp8kv expects "
                            f"({'; '.join(problems)}): {INSTALL_SERVE}")
@@ -212,72 +247,196 @@ def _bind(host: str, port: int) -> socket.socket:
 
 class Server:
     """transformers' server application for one model with fp8kv's continuous batching (also what
-    benchmarks/bench_serve.py serves through)."""
+    benchmarks/bench_serve.py serves through). `shutdown_s`: how long requests in flight may take once
+    the server is asked to stop."""
 
-    def __init__(self, name: str, model, tokenizer, batching):
+    def __init__(self, name: str, model, tokenizer, batching, shutdown_s: float = DEFAULT_SHUTDOWN_S):
         from transformers.cli.serving.chat_completion import ChatCompletionHandler
         from transformers.cli.serving.completion import CompletionHandler
         from transformers.cli.serving.response import ResponseHandler
         from transformers.cli.serving.server import build_server
         from transformers.cli.serving.systemone import SystemOneHandler
         from transformers.cli.serving.transcription import TranscriptionHandler
-        from transformers.cli.serving.utils import GenerationState
+        from transformers.cli.serving.utils import CBWorkerDeadError
 
-        self.name, self.model = name, model
+        self.name, self.model, self.shutdown_s = name, model, shutdown_s
         self.models = _one_model_manager()(name, model, tokenizer)
-        self.generation = GenerationState(continuous_batching=True, cb_config=batching)
+        self.worker = serve_worker.worker_class()(batching)
+        self.generation = _one_worker_state(self.worker, batching)
         handlers = {"model_manager": self.models, "generation_state": self.generation}
-        self.generating = [_applying_one_config(handler)(**handlers)
-                           for handler in (ChatCompletionHandler, CompletionHandler, ResponseHandler)]
+        self.generating = [_served(*endpoint)(**handlers) for endpoint in (
+            (ChatCompletionHandler, "messages", ("max_completion_tokens", "max_tokens")),
+            (CompletionHandler, "prompt", ("max_tokens",)), (ResponseHandler, "input", ("max_output_tokens",)))]
         chat, completion, response = self.generating
         self.app = build_server(self.models, chat, completion_handler=completion, response_handler=response,
                                 transcription_handler=TranscriptionHandler(**handlers),
                                 systemone_handler=SystemOneHandler(**handlers), generation_state=self.generation)
-        self.app.add_exception_handler(_UnappliedSettings, _invalid_request)
-        self.worker = self.http = None
+        _replace_request_id_middleware(self.app)
+        self.app.add_exception_handler(serve_requests.InvalidRequest, _invalid_request)
+        self.app.add_exception_handler(serve_worker.RequestEnded, _ended_request)
+        self.app.add_exception_handler(CBWorkerDeadError, _worker_dead)
+        # fp8kv's /health, in place of transformers' (which misses a worker whose thread ended without an error).
+        self.app.router.routes[:] = [route for route in self.app.router.routes
+                                     if getattr(route, "path", None) != "/health"]
+        self.app.add_api_route("/health", self._health, methods=["GET"])
+        self.http = None
+        self.death: str | None = None  # why the worker stopped, where it stopped on its own
 
     def start_worker(self):
         """Starts the continuous-batching worker with the generation config of a request that sets nothing,
-        which every request then shares, and returns its cache once allocated."""
-        model_id = self.models.process_model_name(self.name)
-        self.worker = self.generation.get_manager(model_id, use_cb=True)
+        which every request then shares, and returns its cache once allocated. A thread then watches the
+        worker: where it stops on its own, the server stops."""
         shared = self.generating[0]._build_generation_config({}, self.model.generation_config, use_cb=True)
         for handler in self.generating:
             handler.shared = shared
-        self.worker.init_cb(self.model, shared)
+        # A copy: transformers changes the worker's (an eos_token_id None becomes -1), which the requests' own
+        # configs, compared with `shared`, do not.
+        self.worker.init_cb(self.model, copy.deepcopy(shared))
         # The worker allocates the cache in its thread and would log a failure with its traceback: reported here in
         # one line instead (its log stays quiet while it stops).
         worker_log = logging.getLogger("ContinuousBatchingLogger")
         level = worker_log.level
         worker_log.setLevel(logging.CRITICAL)
-        while self.worker.is_alive():
+        while True:
             try:
-                cache = self.worker.scheduler.cache
-            except RuntimeError:  # not allocated yet
-                time.sleep(0.05)
-                continue
-            worker_log.setLevel(level)
-            return cache
-        error = self.worker._cb.background_thread_status.fatal_error
+                cache = self.worker.cache()
+            except RuntimeError:
+                break
+            if cache is not None:
+                worker_log.setLevel(level)
+                threading.Thread(target=self._watch_worker, name="fp8kv-serve-watch", daemon=True).start()
+                return cache
+            time.sleep(0.05)
+        error = self.worker.fatal_error
         if isinstance(error, MemoryError):
             raise CommandError(f"argument --kv-cache-memory: {error} (transformers counts the cache and its buffers "
                                "for --max-num-batched-tokens tokens per step): give less memory, or fewer tokens per "
                                "step")
-        raise CommandError(f"the continuous-batching worker failed: {type(error).__name__}: {error}")
+        raise CommandError(f"the continuous-batching worker failed: {self.worker.death()}")
+
+    def _watch_worker(self) -> None:
+        self.worker.wait()
+        if self.worker.stopping:
+            return
+        self.death = self.worker.death()
+        logging.getLogger(__name__).error("fp8kv serve: the continuous-batching worker stopped (%s): the server "
+                                          "stops", self.death)
+        self.worker.fail_remaining()
+        if self.http is not None:
+            self.http.should_exit = True
+
+    def _health(self):
+        """200 with the cache's pages and the requests where the worker runs, else 503 with why it stopped."""
+        from fastapi.responses import JSONResponse
+
+        if not self.worker.is_alive():
+            return JSONResponse({"status": "unhealthy", "reason": f"the continuous-batching worker stopped "
+                                 f"({self.worker.death()})"}, status_code=503)
+        return JSONResponse({"status": "ok", "pages": self.worker.pages(), "requests": self.worker.requests()})
 
     def run(self, listener: socket.socket) -> None:
-        """Serves on `listener` until SIGINT or SIGTERM (in the main thread) or stop()."""
+        """Serves on `listener` until SIGINT or SIGTERM (in the main thread), stop(), or the worker stops."""
         import uvicorn
 
-        self.http = uvicorn.Server(uvicorn.Config(self.app, log_level="info"))
-        self.http.run(sockets=[listener])
+        self.http = _bounded_server(uvicorn.Server)(
+            uvicorn.Config(self.app, log_level="info", timeout_graceful_shutdown=self.shutdown_s + CLOSING_S),
+            self.shutdown_s, self._end_requests)
+        if self.death is None:  # the worker may have stopped while the server was being made
+            self.http.run(sockets=[listener])
+
+    def _end_requests(self) -> None:
+        self.worker.end_requests(f"the server is shutting down: this request was still running after the "
+                                 f"{self.shutdown_s:g} s it gives requests in flight (--shutdown-timeout)")
 
     def stop(self) -> None:
-        """Ends run() once the requests in flight are answered."""
+        """Ends run() once the requests in flight are answered (or ended after the shutdown timeout)."""
         self.http.should_exit = True
 
     def stop_worker(self) -> None:
         self.generation.shutdown()
+
+
+def _replace_request_id_middleware(app) -> None:
+    """transformers' middleware giving each request its id (the x-request-id header, or a new one) as one
+    that passes a streamed answer's chunks straight through: transformers' is Starlette's
+    BaseHTTPMiddleware, which relays each chunk through a stream of its own (measured on 2 CPU cores, 16
+    streams of 300 tokens at once on a tiny model: the server's CPU time per chunk, 0.62 ms with this
+    one, 0.72 ms with transformers')."""
+    import transformers
+    from starlette.middleware.base import BaseHTTPMiddleware
+    from transformers.cli.serving.utils import X_REQUEST_ID
+
+    header = X_REQUEST_ID.encode()
+
+    class RequestIds:
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] != "http":
+                return await self.app(scope, receive, send)
+            # Header values are bytes of any kind: latin-1, as Starlette reads them, decodes them all.
+            request_id = dict(scope["headers"]).get(header, b"").decode("latin-1") or str(uuid.uuid4())
+            scope.setdefault("state", {})["request_id"] = request_id
+
+            async def send_with_id(message):
+                if message["type"] == "http.response.start":
+                    message["headers"] = [*message.get("headers", ()), (header, request_id.encode("latin-1"))]
+                await send(message)
+
+            await self.app(scope, receive, send_with_id)
+
+    kept = [middleware for middleware in app.user_middleware if not (
+        middleware.cls is BaseHTTPMiddleware
+        and getattr(middleware.kwargs.get("dispatch"), "__name__", None) == "request_id_middleware")]
+    if len(kept) != len(app.user_middleware) - 1:  # both would run, each giving the request an id of its own
+        raise CommandError(f"transformers {transformers.__version__}'s server has no one request_id_middleware "
+                           f"for fp8kv to replace: {INSTALL_SERVE}")
+    app.user_middleware[:] = kept
+    app.add_middleware(RequestIds)
+
+
+def _bounded_server(server_class):
+    """uvicorn's Server, whose shutdown ends the requests still running after `shutdown_s` seconds (through
+    `end_requests`) and ends at once on a second SIGINT or SIGTERM."""
+
+    class BoundedServer(server_class):
+        def __init__(self, config, shutdown_s: float, end_requests):
+            super().__init__(config)
+            self.shutdown_s, self.end_requests = shutdown_s, end_requests
+
+        async def shutdown(self, sockets=None):
+            import asyncio
+
+            deadline = asyncio.get_running_loop().call_later(self.shutdown_s, self.end_requests)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                deadline.cancel()
+
+        def handle_exit(self, sig, frame):
+            if self.should_exit:  # uvicorn forces the exit on a second SIGINT only
+                self.force_exit = True
+            super().handle_exit(sig, frame)
+
+    return BoundedServer
+
+
+def _one_worker_state(worker, batching):
+    """transformers' GenerationState whose continuous-batching manager is `worker` (running on `batching`)."""
+    from transformers.cli.serving.utils import GenerationState
+
+    class OneWorker(GenerationState):
+        def get_manager(self, model_id, use_cb=False):
+            return worker if use_cb else super().get_manager(model_id, use_cb=False)
+
+        def shutdown(self):
+            worker.stop()
+
+        def is_cb_alive(self):
+            return worker.is_alive()
+
+    return OneWorker(continuous_batching=True, cb_config=batching)
 
 
 def _batching(args: argparse.Namespace, model_dir, kv_cache, device):
@@ -354,39 +513,70 @@ _GREEDY_IGNORES = frozenset({"do_sample", "top_k", "min_p", "typical_p", "epsilo
 _GREEDY_VALUES = {"temperature": (None, 0, 0.0), "top_p": (None, 1, 1.0)}
 
 
-class _UnappliedSettings(Exception):
-    """A request asks for generation settings other than the ones every request is decoded with."""
-
-
-def _applying_one_config(handler_class):
-    """`handler_class` refusing a request that asks for generation settings the worker would not apply:
+def _served(handler_class, prompt_field: str, tokens_fields: tuple[str, ...]):
+    """`handler_class` checking its requests' fields first (serve_requests), refusing a request that asks for
+    generation settings the worker would not apply, and one the worker finds it can never serve, naming
+    the field (`prompt_field`: the endpoint's field of the prompt; `tokens_fields`: its fields that ask for a
+    number of tokens, by precedence).
     transformers' continuous batching decodes every request with the one generation config it started with,
-    and takes from a request only its tokens and its max_tokens."""
+    and takes from a request only its tokens and its number of new tokens."""
+    from jinja2 import TemplateError
 
-    class ApplyingOneConfig(handler_class):
+    class Served(handler_class):
         shared = None  # the worker's GenerationConfig, once it starts
+
+        def _validate_request(self, body):
+            super()._validate_request(body)  # unknown fields: HTTP 422
+            serve_requests.check(body, self._unused_fields)
+
+        async def handle_request(self, body, request_id):
+            try:
+                return await super().handle_request(body, request_id)
+            except serve_worker.LimitExceeded as e:
+                field = next((name for name in tokens_fields if body.get(name) is not None), tokens_fields[-1])
+                raise serve_requests.InvalidRequest(*e.describe(prompt_field, field)) from None
+            except TemplateError as e:
+                raise serve_requests.InvalidRequest(prompt_field, f"{prompt_field}: the model's chat template "
+                                                    f"refuses it: {e}") from None
 
         def _build_generation_config(self, body, model_generation_config, use_cb=False):
             config = super()._build_generation_config(body, model_generation_config, use_cb=use_cb)
-            if self.shared is not None:
-                requested, shared = config.to_dict(), self.shared.to_dict()
-                sampling = bool(requested.get("do_sample")) or bool(shared.get("do_sample"))
-                ignored = {"max_new_tokens"} | (set() if sampling else _GREEDY_IGNORES)
-                unapplied = sorted(name for name in requested.keys() | shared.keys()
-                                   if name not in ignored and requested.get(name) != shared.get(name)
-                                   and (sampling or requested.get(name) not in _GREEDY_VALUES.get(name, ())))
-                if unapplied:
-                    raise _UnappliedSettings(
-                        "this server decodes every request with one generation config, the model's; this request "
-                        "asks for " + ", ".join(f"{name} {requested.get(name)!r} (served: {shared.get(name)!r})"
-                                                for name in unapplied) + ": leave out what sets them")
+            if self.shared is None:
+                return config
+            requested, shared = config.to_dict(), self.shared.to_dict()
+            sampling = bool(requested.get("do_sample")) or bool(shared.get("do_sample"))
+            ignored = {"max_new_tokens"} | (set() if sampling else _GREEDY_IGNORES)
+            unapplied = sorted(name for name in requested.keys() | shared.keys()
+                               if name not in ignored and requested.get(name) != shared.get(name)
+                               and (sampling or requested.get(name) not in _GREEDY_VALUES.get(name, ())))
+            if unapplied:
+                raise serve_requests.InvalidRequest(None, (
+                    "this server decodes every request with one generation config, the model's; this request "
+                    "asks for " + ", ".join(f"{name} {requested.get(name)!r} (served: {shared.get(name)!r})"
+                                            for name in unapplied) + ": leave out what sets them"))
+            if all(body.get(name) is None for name in (*tokens_fields, "generation_config")):
+                config.max_new_tokens = None  # the worker gives what fits, up to the served default
             return config
 
-    return ApplyingOneConfig
+    return Served
 
 
-def _invalid_request(request, error: Exception):
-    """An OpenAI-style error answer (its clients show error.message), HTTP 400."""
+def _error(status: int, message: str, kind: str, field: str | None = None):
+    """An OpenAI-style error answer (its clients show error.message)."""
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": str(error), "type": "invalid_request_error"}}, status_code=400)
+    error = {"message": message, "type": kind} | ({"param": field} if field is not None else {})
+    return JSONResponse({"error": error}, status_code=status)
+
+
+def _invalid_request(request, error: serve_requests.InvalidRequest):
+    return _error(400, str(error), "invalid_request_error", error.field)
+
+
+def _ended_request(request, error: serve_worker.RequestEnded):
+    return _error(error.status, str(error), "server_error")
+
+
+def _worker_dead(request, error: Exception):
+    """transformers' error for a request sent to a dead worker, as fp8kv's (HTTP 503)."""
+    return _error(503, serve_worker.one_line(str(error)), "server_error")
