@@ -427,14 +427,15 @@ def run_header(benchmark_name: str, device: torch.device) -> dict:
 
 
 def load_fp8kv(require_cuda: bool = True):
-    """(fp8kv.ops, description) when usable, else (None, why not): fp8kv's columns then report it."""
+    """(torch.ops.fp8kv, description) when usable, else (None, why not): fp8kv's columns then report it.
+    The raw operators: the benchmarks time the kernels on caches, scales and recipes they make."""
     try:
         import fp8kv
     except Exception as exc:  # e.g. the library was not built: say so in the columns
         return None, f"import fp8kv failed: {error_text(exc)}"
     if require_cuda and not fp8kv.has_cuda_kernels():
         return None, "fp8kv was built without CUDA kernels (build with FP8KV_CUDA=1)"
-    return fp8kv.ops, f"fp8kv {fp8kv.__version__} from {pathlib.Path(fp8kv.__file__).parent}"
+    return torch.ops.fp8kv, f"fp8kv {fp8kv.__version__} from {pathlib.Path(fp8kv.__file__).parent}"
 
 
 @dataclasses.dataclass

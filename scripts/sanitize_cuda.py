@@ -18,8 +18,9 @@ import os
 
 import torch
 
-from fp8kv import ops
 from fp8kv._ops import supported_values
+
+ops = torch.ops.fp8kv  # the raw operators: the caches, scales and recipes are the cases'
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, None]  # None: unquantized
 

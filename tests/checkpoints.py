@@ -219,3 +219,13 @@ def assert_child_error(outcome, message, file=None, tensor=None):
     kind, problems = outcome
     assert kind == "CheckpointError", outcome
     assert_reported(problems, message, file, tensor)
+
+
+def smollm2_or_skip() -> pathlib.Path:
+    """SmolLM2's converted checkpoint (fp8kv.models), or the test skips, saying what is missing."""
+    from fp8kv import models
+
+    try:
+        return models.smollm2_checkpoint()
+    except models.MissingDependencyError as e:
+        pytest.skip(str(e))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-import fp8kv
+import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24
 
@@ -486,7 +486,7 @@ class PagedAttentionInputs:
         """Calls the op on an `out` poisoned with NaN, so every element must be written."""
         out = torch.empty_like(self.query) if self.out is None else self.out
         out.fill_(math.nan)
-        fp8kv.ops.paged_attention(out, self.query, self.key_cache, self.value_cache, self.block_tables,
+        torch.ops.fp8kv.paged_attention(out, self.query, self.key_cache, self.value_cache, self.block_tables,
                                   self.seq_lens, self.cu_seqlens_q, self.softmax_scale, self.k_scale,
                                   self.v_scale, self.sliding_window, self.logits_soft_cap, fp8_math=self.fp8_math)
         return out

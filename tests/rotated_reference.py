@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-import fp8kv
+import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 from reference import (FLOAT32_UNIT_ROUNDOFF, FORMAT_BY_NAME, AttentionReference, Fp8Format, add_output_rounding,
                        allocate_caches, bits, cache_values, fill_nan, fp8_math_error_bound, kernel_product_dtype,
                        PagedAttentionInputs, paged_attention_reference, paged_block_tables, random_kv)
@@ -92,7 +92,7 @@ class RotatedInputs(PagedAttentionInputs):
 
     def run(self) -> torch.Tensor:
         out = torch.full_like(self.query, math.nan)
-        fp8kv.ops.paged_attention(out, self.query, self.key_cache, self.value_cache, self.block_tables,
+        torch.ops.fp8kv.paged_attention(out, self.query, self.key_cache, self.value_cache, self.block_tables,
                                   self.seq_lens, self.cu_seqlens_q, self.softmax_scale, self.k_scale, self.v_scale,
                                   self.sliding_window, self.logits_soft_cap, True, self.k_offset, self.fp8_math)
         return out

@@ -17,7 +17,8 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .formats import KVCacheConfig, KVCacheDtype, default_rotation
+from .formats import KVCacheConfig, KVCacheDtype
+from .layer import KVCacheLayer
 from .rotation import Rotation
 
 LAYOUTS = ("NHD", "HND")
@@ -258,15 +259,16 @@ def capacity_report(
 
 
 class PagedKVCache:
-    """Per-layer K/V caches in one format and layout, with the block allocator of the sequences.
+    """Per-layer K/V caches in one format, recipe and layout, with the block allocator of the sequences.
 
-    kv_cache: the format (a KVCacheDtype, its name, or a KVCacheConfig, whose dtype, rotation and
-        layer count are used; the scales and offsets belong to the attention modules).
-    rotation: with a format alone, the rotation its layers are written with (None: the default,
-        Rotation.HADAMARD for FP8 formats); attention layers of another rotation are refused.
+    kv_cache: a KVCacheConfig (format, recipe and each layer's scales), or a format alone (a
+        KVCacheDtype or its name: scales 1.0, the recipe `rotation` gives).
+    rotation: with a format alone, the recipe's rotation (None: the default, Rotation.HADAMARD for
+        FP8 formats); a KVCacheConfig carries its own.
     layout: "NHD" stores [num_blocks, block_size, num_kv_heads, head_size]; "HND" stores
         [num_blocks, num_kv_heads, block_size, head_size], handed out as permuted views. The ops
         take both (they read arbitrary strides).
+    `layer(index)` is the KVCacheLayer that fp8kv.ops and PagedAttention write and read.
     """
 
     def __init__(
@@ -288,13 +290,12 @@ class PagedKVCache:
                 raise ValueError(f"num_layers={num_layers} but the KVCacheConfig has {kv_cache.num_layers} layers")
             if rotation is not None:
                 raise ValueError("rotation: a KVCacheConfig carries its own recipe; give one or the other")
-            self.kv_cache_dtype, self.rotation, num_layers = kv_cache.dtype, kv_cache.rotation, kv_cache.num_layers
         else:
-            self.kv_cache_dtype = KVCacheDtype.parse(kv_cache)
-            self.rotation = default_rotation(self.kv_cache_dtype) if rotation is None else Rotation.parse(rotation)
-            KVCacheConfig.unit_scales(self.kv_cache_dtype, 1, rotation=self.rotation)  # refuses a rotated unquantized cache
-        if num_layers is None or num_layers <= 0:
-            raise ValueError(f"num_layers must be a positive integer, got {num_layers}")
+            if num_layers is None or num_layers <= 0:
+                raise ValueError(f"num_layers must be a positive integer, got {num_layers}")
+            kv_cache = KVCacheConfig.unit_scales(kv_cache, num_layers, rotation=rotation)
+        self.kv_cache = kv_cache
+        self.kv_cache_dtype, self.rotation, num_layers = kv_cache.dtype, kv_cache.rotation, kv_cache.num_layers
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if model_dtype not in (torch.float16, torch.bfloat16):
@@ -305,9 +306,9 @@ class PagedKVCache:
         self.allocator = BlockAllocator(num_blocks, block_size)
         inner = (block_size, num_kv_heads, head_size) if layout == "NHD" else (num_kv_heads, block_size, head_size)
         self._storage = torch.zeros((num_layers, 2, num_blocks, *inner), dtype=self.dtype, device=self.device)
-        # Made once: an eager decode step asks for every layer's views, and making them costs host time (two
+        # Made once: an eager decode step asks for every layer, and making its views costs host time (two
         # or four view ops) at every layer of every step.
-        self._layers = [self._views(index) for index in range(num_layers)]
+        self._layers = [KVCacheLayer._of_config(kv_cache, index, *self._views(index)) for index in range(num_layers)]
 
     @property
     def block_size(self) -> int:
@@ -330,13 +331,20 @@ class PagedKVCache:
     def capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key_cache, value_cache) of layer `index`: [num_blocks, block_size, num_kv_heads, head_size]."""
+    def layer(self, index: int) -> KVCacheLayer:
+        """Layer `index`: its key and value caches [num_blocks, block_size, num_kv_heads, head_size]
+        with the format, recipe and scales they are written and read with."""
         if torch.compiler.is_compiling():
-            # A compiled step makes them from the storage, its one static input: views held here would each be
-            # an input of the graph, with guards of their own.
-            return self._views(index)
+            # A compiled step makes the views from the storage, its one static input: views held here would each
+            # be an input of the graph, with guards of their own.
+            return self._layers[index].with_caches(*self._views(index))
         return self._layers[index]
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The storage and every layer's scales and K offsets: what never changes address (for
+        torch._dynamo.mark_static_address)."""
+        return self._storage, *(t for layer in self._layers for t in layer.tensors)
 
     def _views(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         key, value = self._storage[index]

@@ -32,7 +32,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsP
 
 from .cache import bytes_per_token, capacity_report
 from .calibration import calibrate
-from .evaluate.caches import cache_name
+from .evaluate.caches import ROTATED
 from .formats import KVCacheConfig, KVCacheDtype
 from .integrations.transformers import PagedCache, cache_argument, enable
 from .models import SMOLLM2_MODEL
@@ -242,7 +242,8 @@ def run_real(demo: RealDemo, device: torch.device, fmt: KVCacheDtype, *,
     model = enable(AutoModelForCausalLM.from_pretrained(demo.checkpoint, dtype=torch.bfloat16).to(device).eval())
     num_layers = model.config.num_hidden_layers
     configs = {"bf16": KVCacheConfig.unit_scales("auto", num_layers),
-               cache_name(f"{fmt.value}-rotated"): KVCacheConfig.unit_scales(fmt, num_layers, rotation="hadamard")}
+               # The recipe spelled out (a name fp8kv.evaluate takes): the demo says which cache it compares.
+               f"{fmt.value}-{ROTATED}": KVCacheConfig.unit_scales(fmt, num_layers, rotation="hadamard")}
     text_ids = demo.tokenizer(evaluation_text(), add_special_tokens=False, verbose=False)["input_ids"]
 
     answers = _answers_section(model, demo, configs, progress)

@@ -1,5 +1,10 @@
 """Typed wrappers over fp8kv's operators (`torch.ops.fp8kv.*`).
 
+The cache write and attention take one `KVCacheLayer` (fp8kv.layer): a layer's key and value caches
+with the format, recipe and scales they hold, so a cache is always read with the recipe it was
+written with. The raw operators take the same values as separate arguments, for engines, CUDA graphs
+and torch.compile (docs/ops.md).
+
 Every op writes into tensors the caller allocated, runs on the current stream, never synchronizes
 with the host and can be captured in a CUDA graph. The tensor layouts are those of
 docs/ops.md; bad input raises RuntimeError naming the argument, and a tensor argument given as
@@ -9,6 +14,7 @@ something else (a list, a float) TypeError saying what it must be.
 import torch
 
 from . import _ops  # noqa: F401  (loads the library)
+from .layer import KVCacheLayer
 
 __all__ = sorted(["reshape_and_cache", "paged_attention", "kv_amax", "check_cache_write_indices",
                   "check_paged_attention_indices", "merge_attention_states"])
@@ -19,22 +25,18 @@ def __dir__() -> list[str]:
     return __all__
 
 
-# What each tensor argument must be, for the TypeError of a call that passes something else: the
-# op's own schema error lists the whole signature instead of naming the argument.
+# What each argument must be, for the TypeError of a call that passes something else: the op's own
+# schema error lists the whole signature instead of naming the argument.
 _TENSORS = {
     "key": "a tensor [num_tokens, num_kv_heads, head_size]",
     "value": "a tensor [num_tokens, num_kv_heads, head_size]",
-    "key_cache": "the key cache tensor [num_blocks, block_size, num_kv_heads, head_size]",
-    "value_cache": "the value cache tensor [num_blocks, block_size, num_kv_heads, head_size]",
+    "layer": "a KVCacheLayer (PagedKVCache.layer(index))",
     "slot_mapping": "an int64 tensor [num_tokens] of slots",
-    "k_scale": "a float32 tensor [1] or [num_kv_heads], e.g. torch.tensor([0.02])",
-    "v_scale": "a float32 tensor [1] or [num_kv_heads], e.g. torch.tensor([0.02])",
     "out": "a tensor [num_query_tokens, num_heads, head_size] to write",
     "query": "a tensor [num_query_tokens, num_heads, head_size]",
     "block_tables": "an int32 tensor [num_seqs, max_blocks_per_seq]",
     "seq_lens": "an int32 tensor [num_seqs], e.g. torch.tensor(lengths, dtype=torch.int32)",
     "cu_seqlens_q": "None or an int32 tensor [num_seqs + 1]",
-    "k_offset": "None or a float32 tensor [num_kv_heads, head_size]",
     "k_amax": "a float32 tensor [1] or [num_kv_heads]",
     "v_amax": "a float32 tensor [1] or [num_kv_heads]",
     "lse": "None or a float32 tensor [num_tokens, num_heads] to write",
@@ -45,65 +47,47 @@ _TENSORS = {
 }
 
 
-def _check_tensors(op: str, **arguments) -> None:
-    """Raises TypeError naming the first of `arguments` that is not a tensor (None only for cu_seqlens_q,
-    k_offset and lse).
+def _check_arguments(op: str, **arguments) -> None:
+    """Raises TypeError naming the first of `arguments` that is not what it must be (a tensor, None
+    only for cu_seqlens_q and lse, a KVCacheLayer for layer).
     A type check per argument, no data read: cheap enough for every decode step."""
     for name, value in arguments.items():
-        if not isinstance(value, torch.Tensor) and not (value is None and name in ("cu_seqlens_q", "k_offset", "lse")):
+        expected = KVCacheLayer if name == "layer" else torch.Tensor
+        if not isinstance(value, expected) and not (value is None and name in ("cu_seqlens_q", "lse")):
             raise TypeError(f"fp8kv.ops.{op}: {name} must be {_TENSORS[name]}, got {type(value).__name__}")
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-    hadamard: bool = False,
-    k_offset: torch.Tensor | None = None,
-) -> None:
-    """Quantizes `key`/`value` rows and writes them to their cache slots.
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, layer: KVCacheLayer, slot_mapping: torch.Tensor) -> None:
+    """Quantizes `key`/`value` rows with `layer`'s recipe and scales and writes them to their slots of
+    `layer`'s caches.
 
     key, value: [num_tokens, num_kv_heads, head_size], fp16/bf16/fp32, last dim contiguous.
-    key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], any strides but a
-        contiguous last dim; their dtype is the cache format (an FP8 dtype, or key's dtype for an
-        unquantized cache, which stores the values bit for bit and ignores the scales).
+    layer: the KVCacheLayer written. An FP8 cache stores saturate_rne(x / scale) of each row (rotated
+        by the block Hadamard matrix, and K minus the layer's K offset, under the rotated recipe:
+        docs/rotated_cache.md); an unquantized cache stores the values bit for bit.
     slot_mapping: int64 [n], n <= num_tokens; token i goes to slot block * block_size + offset;
         a negative slot skips the token.
-    k_scale, v_scale: float32 [1] or [num_kv_heads] dequantization scales: stores
-        saturate_rne(x / scale).
-    hadamard, k_offset: the rotated recipe (docs/rotated_cache.md), FP8 caches only: rows are
-        rotated by the block Hadamard matrix, and K minus k_offset (float32 [num_kv_heads,
-        head_size], in the rotated basis) is stored. The cache must be read with the same values.
     """
-    _check_tensors("reshape_and_cache", key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                   slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale, k_offset=k_offset)
-    torch.ops.fp8kv.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, hadamard,
-                                      k_offset)
+    _check_arguments("reshape_and_cache", key=key, value=value, layer=layer, slot_mapping=slot_mapping)
+    torch.ops.fp8kv.reshape_and_cache(key, value, layer.key_cache, layer.value_cache, slot_mapping, layer.k_scale,
+                                      layer.v_scale, layer.hadamard, layer.k_offset)
 
 
 def paged_attention(
     out: torch.Tensor,
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    layer: KVCacheLayer,
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor | None,
     softmax_scale: float,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
     sliding_window: int = -1,
     logits_soft_cap: float = 0.0,
-    hadamard: bool = False,
-    k_offset: torch.Tensor | None = None,
     fp8_math: bool = False,
     lse: torch.Tensor | None = None,
 ) -> None:
-    """Attention of `query` over the paged cache, written into `out`.
+    """Attention of `query` over `layer`'s paged caches (read with the layer's recipe and scales),
+    written into `out`.
 
     query, out: [num_query_tokens, num_heads, head_size], fp16/bf16; num_heads a multiple of the
         cache's num_kv_heads (MHA, GQA, MQA).
@@ -112,10 +96,8 @@ def paged_attention(
     cu_seqlens_q: None for decode (one query row per sequence), else int32 [num_seqs + 1]: sequence
         i owns rows cu_seqlens_q[i]:cu_seqlens_q[i + 1], its last tokens, attending causally.
     softmax_scale: multiplies q.k (usually head_size ** -0.5).
-    k_scale, v_scale: float32 [1] or [num_kv_heads], read on the device.
     sliding_window: -1, or w > 0: a query at position p sees positions > p - w.
     logits_soft_cap: 0, or c > 0: logits become c * tanh(logits / c).
-    hadamard, k_offset: the recipe the cache was written with (see reshape_and_cache).
     fp8_math: multi-token queries in FP8 tensor-core math: each query row quantized to e4m3 (its
         largest magnitude to 448), S = Q K^T and O += P V as FP8 MMAs with P quantized to e4m3, O
         accumulated in fp32 every 128 keys. Needs an e4m3fn or e5m2 cache and the CUDA kernels on a
@@ -129,12 +111,12 @@ def paged_attention(
         the output it is the row's attention state for merge_attention_states.
     A decode row whose sequence has seq_len 0 (batch padding) gets zeros (and lse -inf).
     """
-    _check_tensors("paged_attention", out=out, query=query, key_cache=key_cache, value_cache=value_cache,
-                   block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, k_scale=k_scale,
-                   v_scale=v_scale, k_offset=k_offset, lse=lse)
+    _check_arguments("paged_attention", out=out, query=query, layer=layer, block_tables=block_tables,
+                     seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, lse=lse)
     torch.ops.fp8kv.paged_attention(
-        out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
-        k_scale, v_scale, sliding_window, logits_soft_cap, hadamard, k_offset, fp8_math, lse,
+        out, query, layer.key_cache, layer.value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
+        layer.k_scale, layer.v_scale, sliding_window, logits_soft_cap, layer.hadamard, layer.k_offset, fp8_math,
+        lse,
     )
 
 
@@ -156,7 +138,7 @@ def merge_attention_states(
     log(e^lse_a + e^lse_b). A side with lse -inf (no keys) does not enter, whatever its output holds;
     with both -inf the row gets zeros and -inf. A NaN log-sum-exp makes the row NaN.
     """
-    _check_tensors("merge_attention_states", out=out, lse=lse, out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
+    _check_arguments("merge_attention_states", out=out, lse=lse, out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
     torch.ops.fp8kv.merge_attention_states(out, lse, out_a, lse_a, out_b, lse_b)
 
 
@@ -166,19 +148,20 @@ def kv_amax(key: torch.Tensor, value: torch.Tensor, k_amax: torch.Tensor, v_amax
     The granularity follows the maxima's shape: float32 [1] per tensor or [num_kv_heads] per head.
     A NaN in the input makes the maximum NaN.
     """
-    _check_tensors("kv_amax", key=key, value=value, k_amax=k_amax, v_amax=v_amax)
+    _check_arguments("kv_amax", key=key, value=value, k_amax=k_amax, v_amax=v_amax)
     torch.ops.fp8kv.kv_amax(key, value, k_amax, v_amax)
 
 
-def check_cache_write_indices(slot_mapping: torch.Tensor, key_cache: torch.Tensor) -> None:
-    """Raises RuntimeError unless every slot is negative (skipped) or inside `key_cache`.
+def check_cache_write_indices(slot_mapping: torch.Tensor, layer: KVCacheLayer) -> None:
+    """Raises RuntimeError unless every slot is negative (skipped) or inside `layer`'s caches.
 
     `reshape_and_cache` checks this itself on CPU. On a GPU it does not read the slots (that would
     synchronize): an out-of-range slot there is not written, so its token is lost. Call this where a
     slot mapping is built outside fp8kv's cache modules; it copies the slots to the host (a
     synchronization, so not during CUDA graph capture). FP8KV_DEBUG_CHECKS=1 runs it inside every call.
     """
-    torch.ops.fp8kv.check_cache_write_indices(slot_mapping, key_cache)
+    _check_arguments("check_cache_write_indices", slot_mapping=slot_mapping, layer=layer)
+    torch.ops.fp8kv.check_cache_write_indices(slot_mapping, layer.key_cache)
 
 
 def check_paged_attention_indices(
@@ -186,15 +169,17 @@ def check_paged_attention_indices(
     seq_lens: torch.Tensor,
     cu_seqlens_q: torch.Tensor | None,
     num_query_tokens: int,
-    key_cache: torch.Tensor,
+    layer: KVCacheLayer,
     sliding_window: int = -1,
 ) -> None:
     """Raises RuntimeError unless the query rows, lengths and every block id that attention will read
-    are consistent with the table and `key_cache` (the checks `paged_attention` runs itself on CPU).
+    are consistent with the table and `layer`'s caches (the checks `paged_attention` runs itself on CPU).
 
     On a GPU, `paged_attention` reads out-of-range block ids as zeros and clamps lengths to the table.
     Copies the tensors to the host (not during CUDA graph capture). FP8KV_DEBUG_CHECKS=1 runs it inside
     every call.
     """
-    torch.ops.fp8kv.check_paged_attention_indices(block_tables, seq_lens, cu_seqlens_q, num_query_tokens, key_cache,
-                                                  sliding_window)
+    _check_arguments("check_paged_attention_indices", block_tables=block_tables, seq_lens=seq_lens,
+                     cu_seqlens_q=cu_seqlens_q, layer=layer)
+    torch.ops.fp8kv.check_paged_attention_indices(block_tables, seq_lens, cu_seqlens_q, num_query_tokens,
+                                                  layer.key_cache, sliding_window)

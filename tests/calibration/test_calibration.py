@@ -24,7 +24,7 @@ from transformers.masking_utils import sdpa_mask  # noqa: E402
 from rotated_reference import hadamard_matrix  # noqa: E402
 from checkpoints import (assert_reported, compressed_tensors_config, llama_config, random_amax,  # noqa: E402
                          raw_safetensors, run_in_child, scale_tensors, source_checkpoint, write_checkpoint)
-from fp8kv import cli, ops  # noqa: E402
+from fp8kv import cli  # noqa: E402
 from fp8kv.calibration import (CalibrationError, KVAmax, KVCalibrator, calibrate, calibrate_checkpoint,  # noqa: E402
                                export_checkpoint, export_legacy_json, make_batches, observe_model, text_sequences,
                                token_id_sequences)
@@ -209,7 +209,7 @@ def test_amax_quantizes_to_the_largest_finite_code(fmt):
     key[0, 1] *= -1
     key_cache = torch.zeros(1, 1, 4, 16, dtype=fmt.storage_dtype)
     value_cache = torch.zeros_like(key_cache)
-    ops.reshape_and_cache(key, key, key_cache, value_cache, torch.tensor([0]), config.k_scale(0), config.k_scale(0))
+    torch.ops.fp8kv.reshape_and_cache(key, key, key_cache, value_cache, torch.tensor([0]), config.k_scale(0), config.k_scale(0))
     stored = key_cache.float()[0, 0, :, 0]
     assert stored.tolist() == [fmt.max_finite, -fmt.max_finite, fmt.max_finite, fmt.max_finite]
 

@@ -11,7 +11,7 @@ import torch
 
 from checkpoints import (ATTENTION, assert_reported, compressed_tensors_config, edit_index, legacy_json, llama_config,
                          scale_tensors, write_checkpoint)
-from fp8kv import ops
+import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 from fp8kv.checkpoint import CheckpointError, load_kv_cache_config, read_checkpoint_scales, shard_kv_heads
 from fp8kv.formats import KVCacheConfig, KVCacheDtype
 
@@ -230,7 +230,7 @@ def test_fnuz_cache_from_fn_scales_dequantizes_to_the_same_values(tmp_path):
             k_cache = torch.empty(4, 16, num_kv_heads, head_size, dtype=config.torch_dtype(torch.bfloat16))
             v_cache = torch.empty_like(k_cache)
             k_scale, v_scale = config.k_scale(layer), config.v_scale(layer)
-            ops.reshape_and_cache(key, value, k_cache, v_cache, torch.arange(64), k_scale, v_scale)
+            torch.ops.fp8kv.reshape_and_cache(key, value, k_cache, v_cache, torch.arange(64), k_scale, v_scale)
             dequantized[config.dtype] = (k_cache.float().reshape(64, num_kv_heads, head_size) * k_scale[:, None],
                                          v_cache.float().reshape(64, num_kv_heads, head_size) * v_scale[:, None])
         assert torch.equal(dequantized[KVCacheDtype.E4M3FN][0], dequantized[KVCacheDtype.E4M3FNUZ][0])

@@ -475,16 +475,17 @@ def test_evaluated_caches_are_named_canonically():
 
     assert cache_name("fp8_e4m3-tensor") == cache_name("E4M3FN-tensor") == "float8_e4m3fn-tensor"
     assert cache_name("e4m3-centred-checkpoint") == "float8_e4m3fn-centred-checkpoint"
-    assert label("e5m2") == "float8_e5m2, plain, scale 1"
-    assert label("e4m3fnuz-rotated-head") == "float8_e4m3fnuz, rotated, calibrated per head"
-    # The plain recipe spelled out: the names the error lists for it.
-    assert cache_name("e4m3-plain") == cache_name("e4m3-none") == "float8_e4m3fn"
-    assert cache_name("e5m2-plain-head") == cache_name("e5m2-none-head") == "float8_e5m2-head"
+    assert label("e5m2") == "float8_e5m2, rotated, scale 1"
+    assert label("e4m3fnuz-plain-head") == "float8_e4m3fnuz, plain, calibrated per head"
+    # The default (rotated) recipe spelled out or left out, as everywhere; plain spelled out.
+    assert cache_name("e4m3-rotated") == cache_name("e4m3") == "float8_e4m3fn"
+    assert cache_name("e5m2-rotated-head") == "float8_e5m2-head"
+    assert cache_name("e5m2-plain-head") == "float8_e5m2-plain-head"
     for bad in ("auto-tensor", "e4m3-calibrated", "e4m3-", "-tensor", "e4m3-tensor-rotated", "e4m3-rotated-centred",
-                "e4m3-rotated-tensor-x", "e4m3-plain-rotated", "e4m3-rotated-none"):
+                "e4m3-rotated-tensor-x", "e4m3-plain-rotated", "e4m3-rotated-none", "e4m3-none"):
         with pytest.raises(ValueError, match=re.escape("expected FORMAT[-RECIPE][-SOURCE]")) as error:
             cache_name(bad)
-        assert str(error.value).endswith("; RECIPE one of plain, none (or left out: plain), rotated, centred; SOURCE "
+        assert str(error.value).endswith("; RECIPE one of rotated (or left out), plain, centred; SOURCE "
                                          "one of checkpoint, tensor, head (or left out: scale 1)")
 
 

@@ -272,15 +272,15 @@ def test_any_format_takes_any_scale_source():
     model, tokens = tiny_llama(), windows()
     amax = calibrate(model, [w[None] for w in tokens], granularity="head", progress=False)
     checkpoint = amax.scales(KVCacheDtype.E4M3FN)
-    configs = ev.kv_cache_configs(model, tokens, ["e4m3fnuz-head", "e5m2-tensor", "fp8_e4m3fnuz-checkpoint", "e5m2"],
+    configs = ev.kv_cache_configs(model, tokens, ["e4m3fnuz-plain-head", "e5m2-plain-tensor", "fp8_e4m3fnuz-plain-checkpoint", "e5m2-plain"],
                                   checkpoint={Rotation.NONE: checkpoint}, progress=False)
-    assert configs["e4m3fnuz-head"] == amax.scales(KVCacheDtype.E4M3FNUZ)
-    e5m2 = configs["e5m2-tensor"]
+    assert configs["e4m3fnuz-plain-head"] == amax.scales(KVCacheDtype.E4M3FNUZ)
+    e5m2 = configs["e5m2-plain-tensor"]
     assert e5m2.dtype is KVCacheDtype.E5M2 and e5m2.k_scales == ev.per_tensor(amax).scales().k_scales
-    fnuz = configs["fp8_e4m3fnuz-checkpoint"]
+    fnuz = configs["fp8_e4m3fnuz-plain-checkpoint"]
     assert fnuz.dtype is KVCacheDtype.E4M3FNUZ
     assert fnuz.k_scales == tuple(tuple(2 * s for s in heads) for heads in checkpoint.k_scales)
-    assert configs["e5m2"] == KVCacheConfig.unit_scales(KVCacheDtype.E5M2, 2, rotation="none")
+    assert configs["e5m2-plain"] == KVCacheConfig.unit_scales(KVCacheDtype.E5M2, 2, rotation="none")
 
 
 def test_per_tensor_maxima_equal_per_tensor_calibration():
@@ -304,7 +304,7 @@ def test_rescaled_kv_breaks_unit_scales_and_not_calibrated_ones(k_factor, v_fact
         return model
 
     tokens = windows()
-    names = ["e4m3", "e4m3-tensor", "e4m3-head"]
+    names = ["e4m3-plain", "e4m3-plain-tensor", "e4m3-plain-head"]
     original = sharp_llama()
     base = ev.evaluate_model(original, tokens, ev.kv_cache_configs(original, tokens, names, progress=False),
                              progress=False)
@@ -315,10 +315,10 @@ def test_rescaled_kv_breaks_unit_scales_and_not_calibrated_ones(k_factor, v_fact
     assert result.reference_perplexity == base.reference_perplexity
     assert result.cache("auto") == base.cache("auto")
     # ... and calibrated scales move by the same power of two, so the FP8 cache holds the same codes.
-    for name in ("e4m3-tensor", "e4m3-head"):
+    for name in ("e4m3-plain-tensor", "e4m3-plain-head"):
         assert result.cache(name) == base.cache(name)
     # Scale 1: K x 4096 saturates at 448, V / 4096 falls below e4m3's smallest subnormal (2^-9).
-    unit, calibrated = result.cache("e4m3"), result.cache("e4m3-tensor")
+    unit, calibrated = result.cache("e4m3-plain"), result.cache("e4m3-plain-tensor")
     assert unit.kl > 10 * calibrated.kl
     assert min(unit.layer_errors) > 5 * max(calibrated.layer_errors)
 
@@ -381,7 +381,7 @@ def test_command_prints_table_and_writes_json(checkpoint, tmp_path, capsys):
     model_dir, text = checkpoint
     out = tmp_path / "result.json"
     assert run_cli(["--model", str(model_dir), "--data", str(text), "--seq-len", "32", "--windows", "3",
-                    "--kv-cache-dtype", "e4m3", "e4m3-head", "--device", "cpu", "--json", str(out),
+                    "--kv-cache-dtype", "e4m3-plain", "e4m3-plain-head", "--device", "cpu", "--json", str(out),
                     "--no-progress"]) == 0
     printed = capsys.readouterr().out
     # Labelled with the model as the user named it, each cache by its canonical name.
@@ -389,7 +389,7 @@ def test_command_prints_table_and_writes_json(checkpoint, tmp_path, capsys):
     for label in ("unquantized (model dtype)", "float8_e4m3fn, plain, scale 1", "float8_e4m3fn, plain, calibrated per head"):
         assert f"| {label} |" in printed
     saved = json.loads(out.read_text())
-    assert [c["name"] for c in saved["caches"]] == ["auto", "float8_e4m3fn", "float8_e4m3fn-head"]
+    assert [c["name"] for c in saved["caches"]] == ["auto", "float8_e4m3fn-plain", "float8_e4m3fn-plain-head"]
     assert saved["setup"]["data"] == [str(text)] and len(saved["caches"][0]["layer_errors"]) == 2
 
 
@@ -409,8 +409,8 @@ def test_command_prints_each_row_before_the_next_caches_pass(checkpoint, monkeyp
     # window's, then the heading and auto's row before e4m3's last pass, e4m3's row before e5m2's.
     assert seen[:4] == [""] * 4
     assert seen[4].splitlines()[-1].startswith("| unquantized (model dtype) |") and seen[4].count("\n") == 6
-    assert seen[5].splitlines() == [next(line for line in "".join(seen).splitlines() if "e4m3fn, plain" in line)]
-    assert seen[6].startswith("| float8_e5m2, plain, scale 1 |")
+    assert seen[5].splitlines() == [next(line for line in "".join(seen).splitlines() if "e4m3fn, rotated" in line)]
+    assert seen[6].startswith("| float8_e5m2, rotated, scale 1 |")
 
 
 @pytest.mark.parametrize("stop", ["Ctrl-C", "SIGTERM"])
@@ -457,7 +457,7 @@ def test_command_plots_layer_errors(checkpoint, tmp_path):
     (["--seq-len", "1"], "argument --seq-len: must be an integer >= 2, got 1"),
     (["--seq-len", "300"], r"argument --seq-len: 300 is beyond the model's max_position_embeddings \(256\)"),
     (["--windows", "40"], r"argument --data: the text has 400 tokens; 40 windows \(--windows\) of 16 tokens"),
-    (["--kv-cache-dtype", "e4m3-checkpoint"], "argument --kv-cache-dtype: float8_e4m3fn-checkpoint needs that "
+    (["--kv-cache-dtype", "e4m3-plain-checkpoint"], "argument --kv-cache-dtype: float8_e4m3fn-plain-checkpoint needs that "
      "recipe's KV cache scales .* and .* has none; pass --scales"),
     # argparse refuses these (argument types, choices): a usage error, exit status 2
     (["--windows", "0"], None),
@@ -521,7 +521,7 @@ def test_a_damaged_checkpoint_is_one_line_naming_the_option_and_the_file(checkpo
     model_dir, text = checkpoint
     kv_cache = calibrate(tiny_llama(), [windows()[0][None]], progress=False).scales()
     args = ["--data", str(text), "--seq-len", "16", "--windows", "1", "--device", "cpu", "--no-progress",
-            "--kv-cache-dtype", "e4m3-checkpoint"]
+            "--kv-cache-dtype", "e4m3-plain-checkpoint"]
     damaged = export_checkpoint(model_dir, tmp_path / "damaged", kv_cache)
     truncate(damaged / "model.safetensors")
     with pytest.raises(CommandError, match=f"^argument --scales: {re.escape(str(damaged))}/model.safetensors: "
@@ -551,12 +551,12 @@ def test_checkpoint_scales_are_used_and_checked(checkpoint, tmp_path):
     model, tokens = tiny_llama(), windows()
     kv_cache = calibrate(model, [w[None] for w in tokens], granularity="head", progress=False).scales()
     with_scales = export_checkpoint(model_dir, tmp_path / "with_scales", kv_cache)
-    plan = ev.prepare(model_dir, text.read_text(), ["e4m3-checkpoint"], seq_len=16, windows=2, scales=with_scales,
+    plan = ev.prepare(model_dir, text.read_text(), ["e4m3-plain-checkpoint"], seq_len=16, windows=2, scales=with_scales,
                       device="cpu")
-    assert plan.checkpoint[Rotation.NONE].k_scales == kv_cache.k_scales and plan.caches == ("float8_e4m3fn-checkpoint",)
+    assert plan.checkpoint[Rotation.NONE].k_scales == kv_cache.k_scales and plan.caches == ("float8_e4m3fn-plain-checkpoint",)
     # The model's own scales are found without --scales, and the default caches then include them.
-    assert "float8_e4m3fn-checkpoint" in ev.prepare(with_scales, text.read_text(), seq_len=16, windows=2).caches
-    assert "float8_e4m3fn-checkpoint" not in ev.prepare(model_dir, text.read_text(), seq_len=16, windows=2).caches
+    assert "float8_e4m3fn-plain-checkpoint" in ev.prepare(with_scales, text.read_text(), seq_len=16, windows=2).caches
+    assert "float8_e4m3fn-plain-checkpoint" not in ev.prepare(model_dir, text.read_text(), seq_len=16, windows=2).caches
     # Scales of another geometry are refused.
     other = tmp_path / "other"
     bigger = tiny_llama(torch.float32, layers=3)
@@ -580,28 +580,28 @@ def test_recipes_get_their_rotation_offsets_and_scales(checkpoint, tmp_path):
     with_scales = export_checkpoint(model_dir, tmp_path / "with_scales", amax.scales(), rotated=rotated)
     plan = ev.prepare(model_dir, text.read_text(), seq_len=16, windows=2, scales=with_scales, device="cpu")
     # Every default cache but the rotated recipe without offsets: the checkpoint's has them.
-    assert plan.caches == tuple(ev.cache_name(n) for n in ev.CACHES if n != "e4m3-rotated-checkpoint")
+    assert plan.caches == tuple(ev.cache_name(n) for n in ev.CACHES if n != "e4m3-checkpoint")
     names = ["e4m3-rotated-tensor", "e4m3-centred-head", "e5m2-rotated-checkpoint"]
-    with pytest.raises(ValueError, match="e5m2-rotated-checkpoint needs that recipe's KV cache scales"):
+    with pytest.raises(ValueError, match="float8_e5m2-checkpoint needs that recipe's KV cache scales"):
         ev.prepare(model_dir, text.read_text(), names, seq_len=16, windows=2, scales=with_scales, device="cpu")
     configs = ev.kv_cache_configs(model, tokens, plan.caches + tuple(map(ev.cache_name, names[:2])),
                                   checkpoint=plan.checkpoint, progress=False)
     recipes = {name: (config.dtype.value, config.recipe) for name, config in configs.items()}
     e4m3, e5m2 = "float8_e4m3fn", "float8_e5m2"
     assert recipes == {
-        "auto": ("auto", "plain"), e4m3: (e4m3, "plain"), f"{e4m3}-checkpoint": (e4m3, "plain"),
-        f"{e4m3}-tensor": (e4m3, "plain"), f"{e4m3}-head": (e4m3, "plain"), f"{e4m3}-rotated": (e4m3, "rotated"),
+        "auto": ("auto", "plain"), f"{e4m3}-plain": (e4m3, "plain"), f"{e4m3}-plain-checkpoint": (e4m3, "plain"),
+        f"{e4m3}-plain-tensor": (e4m3, "plain"), f"{e4m3}-plain-head": (e4m3, "plain"), e4m3: (e4m3, "rotated"),
         f"{e4m3}-centred": (e4m3, "rotated + centred"), f"{e4m3}-centred-checkpoint": (e4m3, "rotated + centred"),
-        e5m2: (e5m2, "plain"), f"{e5m2}-rotated": (e5m2, "rotated"), f"{e5m2}-centred": (e5m2, "rotated + centred"),
-        f"{e4m3}-rotated-tensor": (e4m3, "rotated"), f"{e4m3}-centred-head": (e4m3, "rotated + centred")}
+        f"{e5m2}-plain": (e5m2, "plain"), e5m2: (e5m2, "rotated"), f"{e5m2}-centred": (e5m2, "rotated + centred"),
+        f"{e4m3}-tensor": (e4m3, "rotated"), f"{e4m3}-centred-head": (e4m3, "rotated + centred")}
     offsets = amax.rotated.k_offsets
     assert configs[f"{e4m3}-centred"].k_offsets == offsets == configs[f"{e5m2}-centred"].k_offsets
-    assert configs[f"{e4m3}-centred"].k_scales == configs[f"{e4m3}-rotated"].k_scales == ((1.0,),) * 2
+    assert configs[f"{e4m3}-centred"].k_scales == configs[e4m3].k_scales == ((1.0,),) * 2
     from_checkpoint = configs[f"{e4m3}-centred-checkpoint"]
     assert (from_checkpoint.k_scales, from_checkpoint.k_offsets) == (rotated.k_scales, rotated.k_offsets)
     calibrated = configs[f"{e4m3}-centred-head"]
     assert (calibrated.k_scales, calibrated.k_offsets) == (rotated.k_scales, offsets)
-    assert configs[f"{e4m3}-rotated-tensor"].k_scales == amax.rotated.kv_cache("fp8_e4m3", "tensor",
+    assert configs[f"{e4m3}-tensor"].k_scales == amax.rotated.kv_cache("fp8_e4m3", "tensor",
                                                                                 centred=False).k_scales
     assert ev.label(f"{e4m3}-centred-checkpoint") == "float8_e4m3fn, rotated + centred, checkpoint scales"
 
@@ -641,7 +641,7 @@ SM90A = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 
 @pytest.mark.parametrize("name, canonical, text", [
     ("e4m3-centred-checkpoint-fp8math", "float8_e4m3fn-centred-checkpoint-fp8math",
      "float8_e4m3fn, rotated + centred, checkpoint scales, FP8 math"),
-    ("fp8_e5m2-none-fp8math", "float8_e5m2-fp8math", "float8_e5m2, plain, scale 1, FP8 math")])
+    ("fp8_e5m2-plain-fp8math", "float8_e5m2-plain-fp8math", "float8_e5m2, plain, scale 1, FP8 math")])
 def test_fp8_math_caches_are_named_and_labelled(name, canonical, text):
     assert ev.cache_name(name) == canonical and ev.label(canonical) == text
 

@@ -18,6 +18,8 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+from fp8kv.integrations import transformers_cb_check as cb_check  # noqa: E402
+from fp8kv.integrations import transformers_cb_steps as cb_steps  # noqa: E402
 from fp8kv.integrations import transformers_continuous_batching as continuous_batching  # noqa: E402
 
 try:  # outside the releases it supports (test_continuous_batching_unsupported.py checks the error)
@@ -46,8 +48,8 @@ NEAR_TIE = 0.125  # two bf16 units of a logit between 4 and 8: a gap that a roun
 NEAR_TIE_FP8 = 0.5
 # Every format and recipe, with scales (and K offsets) calibrated per KV head on the model
 # (fp8kv.evaluate's names: FORMAT[-RECIPE]-head).
-CACHES = ["auto", "e4m3-head", "e4m3-rotated-head", "e4m3-centred-head", "e5m2-head", "e5m2-centred-head",
-          "e4m3fnuz-rotated-head"]
+CACHES = ["auto", "e4m3-plain-head", "e4m3-head", "e4m3-centred-head", "e5m2-plain-head", "e5m2-centred-head",
+          "e4m3fnuz-head"]
 
 # Tiny models and tensors: one CPU thread (conftest.py says why).
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
@@ -154,14 +156,14 @@ class Steps:
 @pytest.fixture
 def steps(monkeypatch) -> Steps:
     found = Steps()
-    step_metadata = continuous_batching._step_metadata
+    step_metadata = cb_steps._step_metadata
 
     def spy(allocator, seq_ends, kwargs, padded):
-        if not continuous_batching._capturing(seq_ends):  # reading the values would end a capture
+        if not cb_steps._capturing(seq_ends):  # reading the values would end a capture
             found.record(seq_ends, kwargs)
         return step_metadata(allocator, seq_ends, kwargs, padded)
 
-    monkeypatch.setattr(continuous_batching, "_step_metadata", spy)
+    monkeypatch.setattr(cb_steps, "_step_metadata", spy)
     return found
 
 
@@ -201,7 +203,7 @@ def test_checkpoint_scales_give_the_same_text_on_fn_and_fnuz_pages(tmp_path):
     # recipe, whose scales the loader derives from the plain ones), so the text and its
     # log-probabilities are the same, and those of PagedCache + generate.
     model = tiny_model()
-    plain = kv_cache(model, "e4m3-head")
+    plain = kv_cache(model, "e4m3-plain-head")
     model.save_pretrained(tmp_path)
     save_file({f"model.layers.{i}.self_attn.{name}_scale": torch.tensor(getattr(plain, f"{name}_scales")[i])
                for i in range(2) for name in ("k", "v")}, str(tmp_path / "kv_scales.safetensors"))
@@ -223,8 +225,8 @@ def test_the_formats_give_different_text():
     model = tiny_model()
     prompts = random_prompts([5, 9, 40, 23])
     texts = {name: [o.generated_tokens for o in generate_batch(enable_continuous_batching(model, kv_cache(model, name)),
-                                                               prompts)] for name in ("auto", "e5m2-head")}
-    assert texts["auto"] != texts["e5m2-head"]
+                                                               prompts)] for name in ("auto", "e5m2-plain-head")}
+    assert texts["auto"] != texts["e5m2-plain-head"]
 
 
 def test_shared_prompt_prefixes_give_the_same_tokens(monkeypatch):
@@ -291,18 +293,18 @@ def test_padding_rows_are_neither_written_nor_read():
               "read_index": [torch.tensor([32, 33, 34, 35, 48, 64, 65] + [0] * 6)],
               "max_length_k": {"full_attention": 5}}
     seq_ends = torch.tensor([0, 5, 7, 7], dtype=torch.int32)
-    batch = continuous_batching._step_metadata(allocator, seq_ends, kwargs, padded=True)
+    batch = cb_steps._step_metadata(allocator, seq_ends, kwargs, padded=True)
     assert batch.slot_mapping.tolist() == [2 * 4 + 3, 3 * 4, 4 * 4, 4 * 4 + 1] + [-1] * 6
     assert batch.block_tables.tolist() == [[2, 3, 0], [4, 0, 0], [0, 0, 0], [0, 0, 0]]
     assert batch.seq_lens.tolist() == [5, 2, 0, 6]
     assert batch.cu_seqlens_q.tolist() == [0, 2, 4, 4, 10]
-    unpadded = continuous_batching._step_metadata(allocator, seq_ends, kwargs, padded=False)
+    unpadded = cb_steps._step_metadata(allocator, seq_ends, kwargs, padded=False)
     assert unpadded.block_tables.tolist() == [[2, 3], [4, 0], [0, 0]] and unpadded.seq_lens.tolist() == [5, 2, 0]
 
 
 def test_the_manager_serves_requests_added_one_by_one():
     model = tiny_model()
-    config = kv_cache(model, "e5m2-head")
+    config = kv_cache(model, "e5m2-plain-head")
     prompts = random_prompts([5, 40, 23])
     manager = enable_continuous_batching(model, config).init_continuous_batching(greedy(), batching())
     manager.start()
@@ -492,7 +494,7 @@ def test_the_stream_that_reads_the_inputs_waits_for_the_current_stream_first(inp
     log = []
     cache = type("Cache", (), {})()
     if served:
-        monkeypatch.setitem(continuous_batching._CACHES, cache, None)
+        monkeypatch.setitem(cb_steps.CACHES, cache, None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("current stream of", device))
     stream = RecordingStream(log)
     if inputs_kind == "async":
@@ -536,12 +538,10 @@ def test_smollm2_generate_batch_gives_the_tokens_of_paged_cache_generate():
     # matmul's row can round differently with its place among the rows (measured on this model's
     # down_proj, 3 rows against 1), which the reference, one prompt at a time, cannot match.
     pytest.importorskip("gguf", reason="the real-model extra (gguf) is not installed")
+    from checkpoints import smollm2_or_skip
     from fp8kv import models
 
-    try:
-        checkpoint = models.smollm2_checkpoint()
-    except models.MissingDependencyError as e:
-        pytest.skip(str(e))
+    checkpoint = smollm2_or_skip()
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(checkpoint)
     text = tokenizer(models.evaluation_text()[:4000], add_special_tokens=False)["input_ids"]
@@ -560,7 +560,7 @@ def test_the_serve_extra_requires_the_supported_transformers():
     with open(pathlib.Path(__file__).parents[2] / "pyproject.toml", "rb") as f:
         serve = [Requirement(r) for r in tomllib.load(f)["project"]["optional-dependencies"]["serve"]]
     (required,) = [r for r in serve if r.name == "transformers"]
-    assert required.specifier == Requirement(continuous_batching._requirement()).specifier
+    assert required.specifier == Requirement(cb_check._requirement()).specifier
     assert required.extras == {"serving"}
 
 
@@ -648,16 +648,14 @@ def test_cuda_graph_capture_derives_the_step_indices_inside_the_graph(monkeypatc
     # transformers runs a step once, then captures it on the same index tensors: the metadata derived
     # on the first run must not be reused by the capture, or the graph would replay that step's indices
     # on every later step. On any machine: capture is simulated.
-    state = continuous_batching._CacheState(
-        KVCacheConfig.unit_scales("e4m3", 2), torch.device("cpu"), padded=True, fp8_math=False
-    )
+    state = cb_steps.CacheState(KVCacheConfig.unit_scales("e4m3", 2), padded=True, fp8_math=False)
     derived = []
-    monkeypatch.setattr(continuous_batching, "_step_metadata", lambda *args: derived.append(args) or len(derived))
+    monkeypatch.setattr(cb_steps, "_step_metadata", lambda *args: derived.append(args) or len(derived))
     allocator = type("Allocator", (), {"layer_type": "full_attention"})()
     seq_ends = torch.tensor([0, 5])
     kwargs = {"cu_seq_lens_k": {"full_attention": seq_ends}}
     capturing = [False]
-    monkeypatch.setattr(continuous_batching, "_capturing", lambda tensor: capturing[0])
+    monkeypatch.setattr(cb_steps, "_capturing", lambda tensor: capturing[0])
     assert state.step(allocator, kwargs) == state.step(allocator, kwargs) == 1  # the eager run: once per step
     capturing[0] = True
     assert state.step(allocator, kwargs) == state.step(allocator, kwargs) == 2  # the capture: once more

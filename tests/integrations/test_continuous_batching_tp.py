@@ -55,7 +55,7 @@ def checkpoint(tmp_path_factory) -> pathlib.Path:
     directory = tmp_path_factory.mktemp("tp_checkpoint")
     model = tiny_model(num_layers=1).to(torch.float16)
     model.save_pretrained(directory)
-    plain, centred = kv_cache(model, "e4m3-head"), kv_cache(model, "e4m3-centred-head")
+    plain, centred = kv_cache(model, "e4m3-plain-head"), kv_cache(model, "e4m3-centred-head")
     save_file(scale_tensors(spread(plain.k_scales), spread(plain.v_scales)), str(directory / "kv_scales.safetensors"))
     recipe = RotatedRecipe(plain.dtype, 64, 2, spread(centred.k_scales), spread(centred.v_scales), centred.k_offsets)
     (directory / RECIPE_FILE).write_text(json.dumps(recipe.to_json()))

@@ -12,9 +12,10 @@ from fp8kv import ops
 from fp8kv._ops import supported_values
 from fp8kv.attention import PagedAttention
 from fp8kv.cache import PagedKVCache
-from fp8kv.formats import KVCacheConfig, KVCacheDtype
+from fp8kv.formats import KVCacheConfig
 
 transformers = pytest.importorskip("transformers")
+from fp8kv.integrations import transformers_cb_steps as cb_steps  # noqa: E402
 from fp8kv.integrations import transformers_continuous_batching as continuous_batching  # noqa: E402
 from fp8kv.integrations.transformers import PagedCache, cache_argument, enable, enable_continuous_batching  # noqa: E402
 
@@ -32,8 +33,6 @@ def config(fmt: str) -> KVCacheConfig:
 def test_formats_without_fp8_math_are_refused_everywhere(fmt):
     message = f"fp8_math needs a float8_e4m3fn or float8_e5m2 cache, got {fmt}"  # "auto": unquantized
     with pytest.raises(ValueError, match=message):
-        PagedAttention(HEADS, KV_HEADS, HEAD_SIZE, config(fmt), 0, fp8_math=True)
-    with pytest.raises(ValueError, match=message):
         PagedCache(config(fmt), max_tokens=64, fp8_math=True)
     with pytest.raises(ValueError, match=message):
         enable_continuous_batching(tiny_model(), config(fmt), fp8_math=True)
@@ -41,12 +40,12 @@ def test_formats_without_fp8_math_are_refused_everywhere(fmt):
 
 def test_fp8_math_must_be_a_bool():
     with pytest.raises(TypeError, match="fp8_math must be True or False, got 'yes'"):
-        PagedAttention(HEADS, KV_HEADS, HEAD_SIZE, config("float8_e4m3fn"), 0, fp8_math="yes")
+        PagedAttention(HEADS, KV_HEADS, HEAD_SIZE, fp8_math="yes")
 
 
 def layer_inputs(device: str, fmt: str = "float8_e4m3fn"):
     """A module, its cache and a prefill step of two prompts (40 and 300 tokens)."""
-    module = PagedAttention(HEADS, KV_HEADS, HEAD_SIZE, config(fmt), 0, fp8_math=True).to(device)
+    module = PagedAttention(HEADS, KV_HEADS, HEAD_SIZE, fp8_math=True)
     cache = PagedKVCache(config(fmt), num_kv_heads=KV_HEADS, head_size=HEAD_SIZE, num_blocks=64, device=device)
     for seq in (0, 1):
         cache.add_sequence(seq)
@@ -61,7 +60,7 @@ def test_the_module_passes_fp8_math_to_the_op_which_the_cpu_refuses():
     module, cache, batch, query, key, value = layer_inputs("cpu")
     assert "fp8_math=True" in repr(module)
     with pytest.raises(RuntimeError, match=r"`fp8_math` needs the CUDA kernels on a compute capability 9\.0 GPU"):
-        module(query, key, value, cache, batch)
+        module(query, key, value, cache.layer(0), batch)
 
 
 @pytest.mark.gpu
@@ -69,14 +68,12 @@ def test_the_module_passes_fp8_math_to_the_op_which_the_cpu_refuses():
 @pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
 def test_the_module_runs_the_fp8_math_kernel(fmt):
     module, cache, batch, query, key, value = layer_inputs("cuda", fmt)
-    out = module(query, key, value, cache, batch)
-    key_cache, value_cache = cache.layer(0)
+    out = module(query, key, value, cache.layer(0), batch)
     expected = {}
     for fp8_math in (True, False):
         expected[fp8_math] = torch.empty_like(query)
-        ops.paged_attention(expected[fp8_math], query, key_cache, value_cache, batch.block_tables, batch.seq_lens,
-                            batch.cu_seqlens_q, module.softmax_scale, module.k_scale, module.v_scale,
-                            hadamard=True, fp8_math=fp8_math)
+        ops.paged_attention(expected[fp8_math], query, cache.layer(0), batch.block_tables, batch.seq_lens,
+                            batch.cu_seqlens_q, module.softmax_scale, fp8_math=fp8_math)
     assert torch.equal(out, expected[True]) and not torch.equal(out, expected[False])
 
 
@@ -130,5 +127,5 @@ def test_continuous_batching_in_fp8_math(device):
         assert all("`fp8_math` needs the CUDA kernels" in str(output.error) for output in outputs)
         return
     assert [output.error for output in outputs] == [None, None]
-    states = list(continuous_batching._CACHES.values())
-    assert states and all(m.fp8_math for state in states for m in attention_modules(state.layers))
+    states = list(cb_steps.CACHES.values())
+    assert states and all(m.fp8_math for state in states for m in attention_modules(state.attentions))

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf", reason="the real-model extra (gguf) is not installed")
 pytest.importorskip("accelerate", reason="the real-model extra (accelerate) is not installed")
 
+from checkpoints import smollm2_or_skip  # noqa: E402
 from fp8kv import evaluate as ev  # noqa: E402
 from fp8kv import load_kv_cache_config, read_checkpoint_scales  # noqa: E402
 from fp8kv import models  # noqa: E402
@@ -28,10 +29,7 @@ SEQ_LEN = 128
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    try:
-        return models.smollm2_checkpoint()
-    except models.MissingDependencyError as e:
-        pytest.skip(str(e))
+    return smollm2_or_skip()
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +46,7 @@ def window(checkpoint):
 
 @pytest.fixture(scope="module")
 def configs(model, window):
-    return ev.kv_cache_configs(model, window, ["e4m3", "e4m3-head"], progress=False)
+    return ev.kv_cache_configs(model, window, ["e4m3-plain", "e4m3-plain-head"], progress=False)
 
 
 @pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -94,14 +92,14 @@ def test_real_kv_lies_inside_e4m3s_normal_range(configs):
     # What makes calibration worthless for this model (docs/calibration.md): every layer's max |K|
     # and max |V| (scale * 448 with calibrated scales) is far below 448, and above 2^-6, so scale 1
     # neither saturates nor pushes the bulk of the values into e4m3's subnormals.
-    calibrated = configs["e4m3-head"]
+    calibrated = configs["e4m3-plain-head"]
     for scales in (*calibrated.k_scales, *calibrated.v_scales):
         for scale in scales:
             assert 2.0**-6 < scale * 448 < 64
 
 
 def test_calibrate_export_load_round_trip(checkpoint, configs, tmp_path):
-    kv_cache = configs["e4m3-head"]
+    kv_cache = configs["e4m3-plain-head"]
     out = export_checkpoint(checkpoint, tmp_path / "calibrated", kv_cache)
     found = read_checkpoint_scales(out)
     assert found.problems == () and found.has_scales and len(found.k) == 30
@@ -110,8 +108,8 @@ def test_calibrate_export_load_round_trip(checkpoint, configs, tmp_path):
         loaded = load_kv_cache_config(out, "fp8_e4m3", rotation="none")
     assert (loaded.k_scales, loaded.v_scales) == (kv_cache.k_scales, kv_cache.v_scales)
     assert all(len(s) == 3 for s in loaded.k_scales)
-    # evaluate picks the checkpoint's scales up as e4m3-checkpoint.
-    plan = ev.prepare(checkpoint, models.evaluation_text(), ["e4m3-checkpoint"], seq_len=SEQ_LEN, windows=1,
+    # evaluate picks the checkpoint's scales up as e4m3-plain-checkpoint.
+    plan = ev.prepare(checkpoint, models.evaluation_text(), ["e4m3-plain-checkpoint"], seq_len=SEQ_LEN, windows=1,
                       scales=out, device="cpu")
     assert plan.checkpoint[Rotation.NONE].k_scales == kv_cache.k_scales
 
@@ -137,7 +135,7 @@ def test_unquantized_paged_cache_matches_the_model(result):
     assert abs(auto.perplexity / result.reference_perplexity - 1) < 0.05
 
 
-@pytest.mark.parametrize("name", ["e4m3", "e4m3-head"])
+@pytest.mark.parametrize("name", ["e4m3-plain", "e4m3-plain-head"])
 def test_e4m3_changes_perplexity_little(result, name):
     # Measured on this window: KL 2.5e-2 (scale 1) and 4.0e-2 (calibrated per head), perplexity
     # +1.8% and +3.5%; over 16 x 2048 tokens on an H100 (docs/accuracy.md): KL 2.5e-2, +2.10% (scale 1). The bounds allow for

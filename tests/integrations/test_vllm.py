@@ -143,7 +143,7 @@ class Engine:
         cache_config.kv_cache_layout = case["layout"]
         cache_config.num_gpu_blocks_override = NUM_BLOCKS
         recipe_name = case.get("recipe", "plain")
-        additional_config = {} if recipe_name == "plain" else {recipe.ROTATION_KEY: "hadamard"}
+        additional_config = {recipe.ROTATION_KEY: "none" if recipe_name == "plain" else "hadamard"}
         self.config = VllmConfig(cache_config=cache_config, additional_config=additional_config)
         backend = AttentionBackendEnum[plugin.BACKEND_NAME].get_class()
         # K/V of every token the requests will have, and checkpoint scales calibrated on them.
@@ -327,7 +327,7 @@ def test_the_rotated_recipe_through_the_attention_layer(case, monkeypatch):
     of the plain recipe's test write exactly the rotated recipe's bytes and attend within the
     rotated reference's bound."""
     engine = Engine(case, monkeypatch, seed=100 + ROTATED_CASES.index(case))
-    bound = engine.layer.impl.recipe
+    bound = engine.layer.impl.rotated_layer
     for held, expected in zip((bound.k_scale, bound.v_scale, bound.k_offset),
                               (engine.rotated.k_scale(0), engine.rotated.v_scale(0), engine.rotated.k_offset(0))):
         assert (held is None and expected is None) or torch.equal(held, expected)
@@ -484,11 +484,15 @@ def test_the_impl_refuses_a_cache_dtype_it_does_not_read():
         make_impl(kv_cache_dtype="fp8_inc")
 
 
-@pytest.mark.parametrize("additional_config, rotation", [
-    ({}, Rotation.NONE), ({"other_plugin": 1}, Rotation.NONE), ({"fp8kv_rotation": "none"}, Rotation.NONE),
-    ({"fp8kv_rotation": "hadamard"}, Rotation.HADAMARD), ({"fp8kv_rotation": " Hadamard "}, Rotation.HADAMARD)])
-def test_the_recipe_is_chosen_in_vllms_additional_config(additional_config, rotation):
-    assert recipe.chosen_rotation(VllmConfig(additional_config=additional_config).additional_config) is rotation
+@pytest.mark.parametrize("additional_config, cache_format, rotation", [
+    ({}, torch.float8_e4m3fn, Rotation.HADAMARD), ({"other_plugin": 1}, torch.float8_e5m2, Rotation.HADAMARD),
+    ({}, None, Rotation.NONE), ({"fp8kv_rotation": "none"}, torch.float8_e4m3fn, Rotation.NONE),
+    ({"fp8kv_rotation": "hadamard"}, torch.float8_e4m3fn, Rotation.HADAMARD),
+    ({"fp8kv_rotation": " Hadamard "}, torch.float8_e4m3fnuz, Rotation.HADAMARD)])
+def test_the_recipe_is_chosen_in_vllms_additional_config(additional_config, cache_format, rotation):
+    """fp8kv's default for an FP8 cache is the rotated recipe, as everywhere; "none" chooses the plain one."""
+    config = VllmConfig(additional_config=additional_config).additional_config
+    assert recipe.chosen_rotation(config, cache_format) is rotation
 
 
 @pytest.mark.parametrize("additional_config, message", [
@@ -498,13 +502,14 @@ def test_the_recipe_is_chosen_in_vllms_additional_config(additional_config, rota
     ({"fp8kv_rotation": 1}, "additional_config\\['fp8kv_rotation'\\]: rotation must be a Rotation or str")])
 def test_a_misspelt_or_unknown_recipe_choice_is_refused(additional_config, message):
     with pytest.raises(ValueError, match=message):
-        recipe.chosen_rotation(additional_config)
+        recipe.chosen_rotation(additional_config, torch.float8_e4m3fn)
 
 
 def test_the_rotated_recipe_refuses_what_cannot_work(tmp_path):
     with pytest.raises(ValueError, match="'hadamard' needs an FP8 cache .* an unquantized \\(auto\\) cache stores"):
         recipe.rotated_recipe(tmp_path, None, 0, 1)
-    with pytest.raises(ValueError, match="the model 'org/model' is not a local directory; download it"):
+    with pytest.raises(ValueError, match="the model 'org/model' is not a local directory: download it .* or choose "
+                                         "the plain recipe"):
         recipe.rotated_recipe("org/model", torch.float8_e4m3fn, 0, 1)
     rotated = VllmConfig(additional_config={"fp8kv_rotation": "hadamard"})
     with set_current_vllm_config(rotated), pytest.raises(

@@ -6,8 +6,8 @@ A batch of prompts of different lengths, one prefilled in chunks, in a KV cache 
 vLLM preempts requests, then prompts sharing a cached prefix, on every cache dtype; greedy tokens
 against transformers' on the same model up to near ties of transformers' logits: the auto cache
 against transformers' own attention, the FP8 caches against fp8kv's transformers integration on the
-same cache format and scales (the plain recipe with unit scales, what vLLM takes for a checkpoint
-without scales).
+same cache format, recipe and scales (fp8kv's default rotated recipe with unit scales, what fp8kv
+reads from a checkpoint without scales).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(tiny) -> dict:
     """The reference of each cache dtype: transformers' own attention for auto, fp8kv's transformers
-    integration on the plain recipe with unit scales (vLLM's for a checkpoint without scales) for FP8."""
-    return {"auto": Reference(tiny), **{name: Reference(tiny, KVCacheConfig.unit_scales(fmt, 2, rotation="none"))
+    integration on the default rotated recipe with unit scales (fp8kv's for a checkpoint without scales) for FP8."""
+    return {"auto": Reference(tiny), **{name: Reference(tiny, KVCacheConfig.unit_scales(fmt, 2))
                                         for name, fmt in FORMAT.items()}}
 
 

@@ -1,5 +1,6 @@
-"""The vLLM backend's work on vLLM-shaped tensors, without vLLM: fp8kv.integrations.vllm's write_kv and
-attend (what the backend's do_kv_cache_update and forward call) on pages laid out as vLLM's
+"""The vLLM backend's work on vLLM-shaped tensors, without vLLM: fp8kv.integrations.vllm's page_layer,
+fp8kv.ops.reshape_and_cache and attend (what the backend's do_kv_cache_update and forward call) on
+pages laid out as vLLM's
 allocator lays them out, on CPU and, marked gpu, on CUDA.
 
 Pages: per layer, a logical [num_blocks, num_kv_heads, block_size, 2 * head_size] view of one int8
@@ -23,7 +24,8 @@ import torch
 from reference import FORMAT_BY_NAME, assert_within, calibrated_scales, covering_grid, random_kv
 from vllm_pages import ExpectedPages, Requests, poison
 
-from fp8kv.integrations.vllm import AttentionMetadata, attend, write_kv
+from fp8kv import ops
+from fp8kv.integrations.vllm import AttentionMetadata, attend, page_layer
 
 NUM_BLOCKS, NUM_LAYERS = 40, 2
 POOL = 160  # tokens per request at most
@@ -113,10 +115,9 @@ class Layer:
         metadata = self.metadata(step, num_decodes)
         query, key, value = self.inputs(step)
         out = torch.full_like(query, math.nan, device=self.device)
-        write_kv(key.to(self.device), value.to(self.device), self.pages[0], metadata.slot_mapping, self.fp8,
-                 self.k_scale, self.v_scale)
-        attend(out, query.to(self.device), self.pages[0], metadata, self.fp8, self.head_size**-0.5, self.k_scale,
-               self.v_scale, self.window, self.soft_cap)
+        layer = page_layer(self.pages[0], self.head_size, self.fp8, self.k_scale, self.v_scale)
+        ops.reshape_and_cache(key.to(self.device), value.to(self.device), layer, metadata.slot_mapping)
+        attend(out, query.to(self.device), layer, metadata, self.head_size**-0.5, self.window, self.soft_cap)
         self.check(step, query, key, value, out, decode=metadata.query_start_loc is None)
 
 
@@ -171,9 +172,11 @@ def test_a_captured_decode_step_replays_with_metadata_updated_in_place(cache_for
     out = torch.zeros_like(query)
     page = layer.pages[0]
 
+    cache_layer = page_layer(page, layer.head_size, layer.fp8, layer.k_scale, layer.v_scale)
+
     def forward():
-        write_kv(key, value, page, captured.slot_mapping, layer.fp8, layer.k_scale, layer.v_scale)
-        attend(out, query, page, captured, layer.fp8, layer.head_size**-0.5, layer.k_scale, layer.v_scale)
+        ops.reshape_and_cache(key, value, cache_layer, captured.slot_mapping)
+        attend(out, query, cache_layer, captured, layer.head_size**-0.5)
 
     # Capture on a side stream after a warm-up run there, then restore the cache the warm-up wrote
     # (the first replay writes the same tokens again).

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf", reason="the real-model extra (gguf) is not installed")
 
 from vllm import SamplingParams, TokensPrompt  # noqa: E402
+from checkpoints import smollm2_or_skip  # noqa: E402
 from vllm_engines import Reference, engine, generated, require_test_platform  # noqa: E402
 
 from fp8kv import evaluate as ev  # noqa: E402
@@ -39,10 +40,7 @@ NEAR_TIE, LOGPROB_TOLERANCE = 0.5, 0.15
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    try:
-        return models.smollm2_checkpoint()
-    except models.MissingDependencyError as e:
-        pytest.skip(str(e))
+    return smollm2_or_skip()
 
 
 @pytest.fixture(scope="module")

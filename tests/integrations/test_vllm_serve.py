@@ -1,7 +1,8 @@
 """`vllm serve MODEL --kv-cache-dtype fp8 --attention-backend FP8KV` on 127.0.0.1, in vLLM's default
 process layout: the OpenAI-compatible API server in one process, the engine core in another it
 spawns. OpenAI chat completions, plain and streamed, from several clients at once, on the tiny
-random Llama of vllm_engines.py, against fp8kv's transformers integration on the same cache format.
+random Llama of vllm_engines.py, against fp8kv's transformers integration on the same cache format and
+recipe (fp8kv's default, rotated).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def chat(client, model: str, messages: list[dict], stream: bool = False):
 
 def test_chat_completions_plain_streamed_and_concurrent(tmp_path):
     model = write_tiny_model(tmp_path / "tiny")
-    reference = Reference(model, KVCacheConfig.unit_scales("e4m3", 2, rotation="none"))
+    reference = Reference(model, KVCacheConfig.unit_scales("e4m3", 2))
     with served(model, tmp_path / "serve.log", "--kv-cache-dtype", "fp8", "--max-model-len", "512") as (server, url):
         processes = [p.name() + " " + " ".join(p.cmdline()) for p in psutil.Process(server.pid).children(recursive=True)]
         assert any("EngineCore" in p for p in processes), processes

@@ -31,8 +31,8 @@ NEAR_TIE, LOGPROB_TOLERANCE = 0.5, 0.15  # as test_vllm_engine.py's for FP8 cach
 
 def bound_recipes(model) -> dict[str, list]:
     """On a worker: the rotated recipe each attention layer bound (scales and K offset, as lists)."""
-    return {m.layer_name: [m.impl.recipe.k_scale.tolist(), m.impl.recipe.v_scale.tolist(),
-                           m.impl.recipe.k_offset.tolist()] for m in model.modules() if isinstance(m, Attention)}
+    return {m.layer_name: [m.impl.rotated_layer.k_scale.tolist(), m.impl.rotated_layer.v_scale.tolist(),
+                           m.impl.rotated_layer.k_offset.tolist()] for m in model.modules() if isinstance(m, Attention)}
 
 
 def test_two_ranks_on_the_rotated_centred_recipe(tmp_path, monkeypatch):

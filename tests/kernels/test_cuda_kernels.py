@@ -63,7 +63,7 @@ def write(x: torch.Tensor, cache_format: str, scale: torch.Tensor, layout: str, 
     bits(key_cache).zero_()
     bits(value_cache).zero_()
     slots = torch.randperm(num_blocks * 16, generator=torch.Generator().manual_seed(1))[:num_tokens]
-    fp8kv.ops.reshape_and_cache(key.to(device), value.to(device), key_cache, value_cache, slots.to(device),
+    torch.ops.fp8kv.reshape_and_cache(key.to(device), value.to(device), key_cache, value_cache, slots.to(device),
                                 scale.to(device), (scale * 3).to(device))
     return bits(key_cache).cpu(), bits(value_cache).cpu()
 
@@ -91,7 +91,7 @@ def test_cache_bytes_follow_the_reference_encoding(cache_format):
     key = x[: x.numel() // row * row].view(-1, NUM_KV_HEADS, HEAD_SIZE)
     key_cache = torch.empty(key.shape[0], 1, NUM_KV_HEADS, HEAD_SIZE, dtype=fmt.dtype, device="cuda")
     value_cache = torch.empty_like(key_cache)
-    fp8kv.ops.reshape_and_cache(key.cuda(), key.cuda(), key_cache, value_cache,
+    torch.ops.fp8kv.reshape_and_cache(key.cuda(), key.cuda(), key_cache, value_cache,
                                 torch.arange(key.shape[0], device="cuda"), scale.cuda(), scale.cuda())
     expected = quantize(key, scale, fmt)
     assert torch.equal(key_cache.view(torch.uint8).cpu()[:, 0], expected)
@@ -186,7 +186,7 @@ def test_block_table_without_columns_is_refused(multi_token):
     cu_seqlens_q = torch.tensor([0, 1], dtype=torch.int32, device="cuda") if multi_token else None
     one = torch.ones(1, device="cuda")
     with pytest.raises(RuntimeError, match="`block_tables` must have at least one column, got 0"):
-        fp8kv.ops.paged_attention(torch.empty_like(query), query, key_cache, key_cache.clone(), tables, seq_lens,
+        torch.ops.fp8kv.paged_attention(torch.empty_like(query), query, key_cache, key_cache.clone(), tables, seq_lens,
                                   cu_seqlens_q, HEAD_SIZE**-0.5, one, one)
 
 
@@ -306,7 +306,7 @@ seq_lens = torch.full((seqs,), tokens, dtype=torch.int32, device="cuda")
 query = torch.randn(tokens, heads, d, device="cuda", dtype=torch.bfloat16)
 buffer = torch.full((tokens + 2, heads, d), 7.0, device="cuda", dtype=torch.bfloat16)
 one = torch.ones(1, device="cuda")
-fp8kv.ops.paged_attention(buffer[1:-1], query, key_cache, key_cache.clone(), tables, seq_lens, cu, d ** -0.5, one, one)
+torch.ops.fp8kv.paged_attention(buffer[1:-1], query, key_cache, key_cache.clone(), tables, seq_lens, cu, d ** -0.5, one, one)
 torch.cuda.synchronize()
 assert bool((buffer[0] == 7).all() and (buffer[-1] == 7).all()), "wrote outside out"
 print("ended")
@@ -406,9 +406,9 @@ def test_cuda_graph_replay_follows_new_scales_and_inputs():
     out = torch.empty_like(inputs.query)
 
     def step():
-        fp8kv.ops.reshape_and_cache(key, value, inputs.key_cache, inputs.value_cache, slots, inputs.k_scale,
+        torch.ops.fp8kv.reshape_and_cache(key, value, inputs.key_cache, inputs.value_cache, slots, inputs.k_scale,
                                     inputs.v_scale)
-        fp8kv.ops.paged_attention(out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
+        torch.ops.fp8kv.paged_attention(out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
                                   inputs.seq_lens, None, inputs.softmax_scale, inputs.k_scale, inputs.v_scale)
 
     side = torch.cuda.Stream()

@@ -46,8 +46,9 @@ def kv_amax_args(device) -> dict:
                 v_amax=torch.zeros(NUM_KV_HEADS, device=device))
 
 
-OPS = {"reshape_and_cache": (fp8kv.ops.reshape_and_cache, reshape_and_cache_args),
-       "paged_attention": (fp8kv.ops.paged_attention, paged_attention_args),
+# The raw operators: the cases give caches, scales and recipe arguments that a KVCacheLayer would not hold.
+OPS = {"reshape_and_cache": (torch.ops.fp8kv.reshape_and_cache, reshape_and_cache_args),
+       "paged_attention": (torch.ops.fp8kv.paged_attention, paged_attention_args),
        "kv_amax": (fp8kv.ops.kv_amax, kv_amax_args)}
 
 
@@ -308,21 +309,21 @@ def test_interleaved_key_value_halves_are_accepted(device):
     write, attend = reshape_and_cache_args(device), paged_attention_args(device)
     both = torch.zeros(NUM_BLOCKS, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, device=device, dtype=torch.float8_e4m3fn)
     halves = {"key_cache": both[:, 0], "value_cache": both[:, 1]}
-    fp8kv.ops.reshape_and_cache(**{**write, **halves})
-    fp8kv.ops.reshape_and_cache(**write)
+    torch.ops.fp8kv.reshape_and_cache(**{**write, **halves})
+    torch.ops.fp8kv.reshape_and_cache(**write)
     for name in halves:
         assert torch.equal(halves[name].view(torch.uint8), write[name].view(torch.uint8))
     separate = {**attend, "key_cache": write["key_cache"], "value_cache": write["value_cache"]}
     interleaved = {**separate, **halves, "out": torch.empty_like(attend["out"])}
-    fp8kv.ops.paged_attention(**separate)
-    fp8kv.ops.paged_attention(**interleaved)
+    torch.ops.fp8kv.paged_attention(**separate)
+    torch.ops.fp8kv.paged_attention(**interleaved)
     assert torch.equal(interleaved["out"], separate["out"])
 
 
 # The index-check ops run the checks that need index values on request, on any device.
 INDEX_CHECKS = {
-    R: lambda a: fp8kv.ops.check_cache_write_indices(a["slot_mapping"], a["key_cache"]),
-    P: lambda a: fp8kv.ops.check_paged_attention_indices(a["block_tables"], a["seq_lens"], a["cu_seqlens_q"],
+    R: lambda a: torch.ops.fp8kv.check_cache_write_indices(a["slot_mapping"], a["key_cache"]),
+    P: lambda a: torch.ops.fp8kv.check_paged_attention_indices(a["block_tables"], a["seq_lens"], a["cu_seqlens_q"],
                                                          a["query"].shape[0], a["key_cache"], a["sliding_window"]),
 }
 
@@ -344,33 +345,60 @@ def test_index_check_ops_name_the_bad_index(device, case, monkeypatch):
 def test_index_check_ops_refuse_malformed_index_tensors():
     cache = torch.zeros(2, 16, 1, 64, dtype=torch.float8_e4m3fn)
     with pytest.raises(RuntimeError, match=r"check_cache_write_indices: `slot_mapping` must be int64 of rank 1"):
-        fp8kv.ops.check_cache_write_indices(torch.zeros(3, dtype=torch.int32), cache)
+        torch.ops.fp8kv.check_cache_write_indices(torch.zeros(3, dtype=torch.int32), cache)
     tables, lens = torch.zeros(2, 1, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
     with pytest.raises(RuntimeError, match=r"`seq_lens` must be int32 \[num_seqs = 2\]"):
-        fp8kv.ops.check_paged_attention_indices(tables, lens[:1], None, 2, cache)
+        torch.ops.fp8kv.check_paged_attention_indices(tables, lens[:1], None, 2, cache)
     with pytest.raises(RuntimeError, match=r"without `cu_seqlens_q` \(decode\) `num_query_tokens` must equal num_seqs"):
-        fp8kv.ops.check_paged_attention_indices(tables, lens, None, 3, cache)
+        torch.ops.fp8kv.check_paged_attention_indices(tables, lens, None, 3, cache)
 
 
-# What a caller writing Python values naturally passes where the ops take tensors: the wrapper names the
-# argument and says what it must be (the op's schema error would list the whole signature instead).
+# What a caller writing Python values naturally passes where the ops take tensors (or a layer's caches where
+# they take the layer): the wrapper names the argument and says what it must be (the op's schema error would
+# list the whole signature instead).
 WRONG_TYPES = [
     ("paged_attention", "seq_lens", [1, 5, 20], "seq_lens must be an int32 tensor [num_seqs]"),
-    ("paged_attention", "k_scale", 1.0, "k_scale must be a float32 tensor [1] or [num_kv_heads], e.g. "
-     "torch.tensor([0.02]), got float"),
     ("paged_attention", "block_tables", [[0, 1], [2, 3], [4, 5]], "block_tables must be an int32 tensor"),
     ("paged_attention", "cu_seqlens_q", [0, 1, 3, 6], "cu_seqlens_q must be None or an int32 tensor"),
+    ("paged_attention", "layer", torch.zeros(2, 16, 2, 64), "layer must be a KVCacheLayer (PagedKVCache.layer(index)), "
+     "got Tensor"),
     ("reshape_and_cache", "slot_mapping", [3, -1, 40, 17, 95], "slot_mapping must be an int64 tensor"),
-    ("reshape_and_cache", "v_scale", 0.5, "v_scale must be a float32 tensor"),
+    ("reshape_and_cache", "layer", (torch.zeros(2, 16, 2, 64),) * 2, "layer must be a KVCacheLayer"),
     ("kv_amax", "k_amax", 0.0, "k_amax must be a float32 tensor"),
 ]
 
 
+def wrapper_args(op: str) -> dict:
+    """A valid call of fp8kv.ops' `op` on layer 0 of a PagedKVCache."""
+    if op == "kv_amax":
+        return kv_amax_args("cpu")
+    cache = fp8kv.PagedKVCache("fp8_e4m3fn", num_layers=1, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE,
+                               num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE)
+    raw = OPS[op][1]("cpu")
+    if op == "reshape_and_cache":
+        return dict(key=raw["key"], value=raw["value"], layer=cache.layer(0), slot_mapping=raw["slot_mapping"])
+    return dict(out=raw["out"], query=raw["query"], layer=cache.layer(0), block_tables=raw["block_tables"],
+                seq_lens=raw["seq_lens"], cu_seqlens_q=raw["cu_seqlens_q"], softmax_scale=0.125)
+
+
+@pytest.mark.parametrize("op", ["reshape_and_cache", "paged_attention", "kv_amax"])
+def test_the_wrappers_accept_a_valid_call(op):
+    getattr(fp8kv.ops, op)(**wrapper_args(op))
+
+
 @pytest.mark.parametrize("op, argument, value, match", WRONG_TYPES, ids=[f"{c[0]}-{c[1]}" for c in WRONG_TYPES])
 def test_a_python_value_for_a_tensor_argument_is_named(op, argument, value, match):
-    function, make_args = OPS[op]
-    args = make_args("cpu")
+    args = wrapper_args(op)
     args[argument] = value
     with pytest.raises(TypeError, match="^" + re.escape(f"fp8kv.ops.{op}: {match}")):
-        function(**args)
+        getattr(fp8kv.ops, op)(**args)
 
+
+@pytest.mark.parametrize("op, recipe", [("reshape_and_cache", {"hadamard": True}),
+                                        ("paged_attention", {"k_offset": torch.zeros(NUM_KV_HEADS, HEAD_SIZE)}),
+                                        ("paged_attention", {"k_scale": torch.ones(1)})])
+def test_the_wrappers_take_no_recipe_beside_the_layer(op, recipe):
+    """A cache's recipe and scales come with its layer only: the wrappers have no argument through
+    which a call could read a cache with another."""
+    with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(recipe))}'"):
+        getattr(fp8kv.ops, op)(**wrapper_args(op), **recipe)

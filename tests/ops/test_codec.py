@@ -1,7 +1,7 @@
 """The FP8 codecs, exhaustively and bit-exactly, against tables built from the format definitions.
 
-Encoding goes through fp8kv.ops.reshape_and_cache (key and value paths), decoding through
-fp8kv.ops.paged_attention with one cached token (softmax over one key is 1, so the output is the
+Encoding goes through the reshape_and_cache op (key and value paths), decoding through
+the paged_attention op with one cached token (softmax over one key is 1, so the output is the
 decoded value code times v_scale, exactly).
 """
 
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-import fp8kv
+import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 from reference import FORMATS, Fp8Format, all_16bit_values, quantize
 
 FORMAT_PARAMS = [pytest.param(f, id=f.name) for f in FORMATS]
@@ -38,7 +38,7 @@ def op_codes(x: torch.Tensor, fmt: Fp8Format, device: str, k_scale: torch.Tensor
     k_scale = ones if k_scale is None else k_scale.to(device)
     v_scale = ones if v_scale is None else v_scale.to(device)
     slots = torch.arange(num_tokens, device=device)
-    fp8kv.ops.reshape_and_cache(key, value, key_cache, value_cache, slots, k_scale, v_scale)
+    torch.ops.fp8kv.reshape_and_cache(key, value, key_cache, value_cache, slots, k_scale, v_scale)
     key_codes = key_cache.view(torch.uint8).flatten()[:num_tokens * row].cpu()
     value_codes = value_cache.view(torch.uint8).flatten()[:num_tokens * row].cpu()
     return key_codes[:n], value_codes.flip(0)[:n]
@@ -151,7 +151,7 @@ def test_decode_every_code(device, fmt, query_dtype, v_scale):
     # Two poisons of `out`, so no element passes by being left as it was.
     for poison in (math.nan, 0.0):
         out = torch.full((1, 2, head_size), poison, dtype=query_dtype, device=device)
-        fp8kv.ops.paged_attention(out, query.to(device), key_cache.view(fmt.dtype).to(device),
+        torch.ops.fp8kv.paged_attention(out, query.to(device), key_cache.view(fmt.dtype).to(device),
                                   value_cache.view(fmt.dtype).to(device),
                                   torch.zeros(1, 1, dtype=torch.int32, device=device),
                                   torch.ones(1, dtype=torch.int32, device=device), None, 0.0625,

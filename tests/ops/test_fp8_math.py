@@ -1,4 +1,4 @@
-"""fp8kv.ops.paged_attention(..., fp8_math=True): multi-token queries in FP8 tensor-core math on the
+"""torch.ops.fp8kv.paged_attention(..., fp8_math=True): multi-token queries in FP8 tensor-core math on the
 sm_90a kernel, against the float64 reference with the bound the FP8 math adds
 (reference.fp8_math_error_bound: the query's and P's e4m3 rounding, the FP8 accumulators), and
 the refusals everywhere else.
@@ -185,7 +185,7 @@ def test_fp8_math_under_torch_compile_and_cuda_graphs():
     eager = inputs.run().clone()
 
     def attend(out):
-        fp8kv.ops.paged_attention(out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
+        torch.ops.fp8kv.paged_attention(out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
                                   inputs.seq_lens, inputs.cu_seqlens_q, inputs.softmax_scale, inputs.k_scale,
                                   inputs.v_scale, fp8_math=True)
         return out

@@ -109,7 +109,7 @@ def run_with_lse(inputs, transposed: bool, **recipe) -> tuple[torch.Tensor, torc
     shape = inputs.query.shape[:2]
     lse = torch.full(shape[::-1] if transposed else shape, math.nan, device=inputs.query.device)
     lse = lse.t() if transposed else lse
-    fp8kv.ops.paged_attention(out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
+    torch.ops.fp8kv.paged_attention(out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
                               inputs.seq_lens, inputs.cu_seqlens_q, inputs.softmax_scale, inputs.k_scale,
                               inputs.v_scale, inputs.sliding_window, inputs.logits_soft_cap, lse=lse,
                               fp8_math=inputs.fp8_math, **recipe)
@@ -327,7 +327,7 @@ def test_bad_lse_and_merge_arguments_are_named(device, call, match):
     t.out = torch.empty_like(inputs.query)
 
     def pa(lse):
-        fp8kv.ops.paged_attention(t.out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
+        torch.ops.fp8kv.paged_attention(t.out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
                                   inputs.seq_lens, None, 0.125, inputs.k_scale, inputs.v_scale, lse=lse)
 
     t.out_a, t.lse_a, t.out_b, t.lse_b = random_states(3, 4, 16, torch.float16, device, seed=2)
@@ -364,7 +364,7 @@ def cascade_step(query, key_cache, value_cache, prefix_tables, prefix_lens, rest
                  out, parts, lse_parts):
     """Attention over a shared prefix and over each sequence's rest, merged: one graph."""
     for i, (tables, lens) in enumerate(((prefix_tables, prefix_lens), (rest_tables, rest_lens))):
-        fp8kv.ops.paged_attention(parts[i], query, key_cache, value_cache, tables, lens, None,
+        torch.ops.fp8kv.paged_attention(parts[i], query, key_cache, value_cache, tables, lens, None,
                                   query.shape[-1] ** -0.5, k_scale, v_scale, lse=lse_parts[i])
     fp8kv.ops.merge_attention_states(out, None, parts[0], lse_parts[0], parts[1], lse_parts[1])
     return out

@@ -1,6 +1,7 @@
 """Every op's argument list is declared once, in its schema (csrc/ops.cpp, as torch parses it), and
 every other place that spells it is checked against that declaration here: the fake kernel
-(fp8kv._ops), the typed wrapper and its tensor checks (fp8kv.ops), the validation that builds the
+(fp8kv._ops), the typed wrapper and its tensor checks (fp8kv.ops, where a KVCacheLayer stands for
+the schema's cache, scale and recipe arguments), the validation that builds the
 kernels' operands (csrc/op_params.h and .cpp, and the calls of it in the bindings), the CPU and GPU
 bindings (csrc/cpu/bindings.cpp, csrc/gpu/bindings.cpp) and the signatures in docs/ops.md. A name,
 order, type, default or mutability that differs in any of them fails, naming the place."""
@@ -49,25 +50,49 @@ def test_fake_matches_the_schema(op):
     assert python_parameters(fake) == want, f"fp8kv._ops._{op}_fake"
 
 
+# The schema arguments a KVCacheLayer holds: the wrappers take `layer` in their place (at the first one's).
+LAYER_ARGUMENTS = ("key_cache", "value_cache", "k_scale", "v_scale", "hadamard", "k_offset")
+
+
+def wrapper_arguments(op: str) -> list[tuple[str, str, bool, object]]:
+    """The schema's arguments as fp8kv.ops' wrapper takes them: the layer's replaced by `layer`."""
+    arguments = []
+    for argument in schema_arguments(op):
+        if argument[0] not in LAYER_ARGUMENTS:
+            arguments.append(argument)
+        elif "layer" not in [a[0] for a in arguments]:
+            arguments.append(("layer", "KVCacheLayer", False, inspect.Parameter.empty))
+    return arguments
+
+
 @pytest.mark.parametrize("op", WRAPPED_OPS)
 def test_wrapper_matches_the_schema(op):
     wrapper = getattr(fp8kv.ops, op)
-    want = [(name, default) for name, _, _, default in schema_arguments(op)]
+    want = [(name, default) for name, _, _, default in wrapper_arguments(op)]
     assert python_parameters(wrapper) == want, f"fp8kv.ops.{op}: names and defaults"
     annotations = {name: p.annotation for name, p in inspect.signature(wrapper).parameters.items()}
-    for name, kind, _, _ in schema_arguments(op):
-        assert annotations[name] == PYTHON_TYPES[kind], f"fp8kv.ops.{op}: `{name}` is {kind} in the schema"
+    types = {**PYTHON_TYPES, "KVCacheLayer": fp8kv.KVCacheLayer}
+    for name, kind, _, _ in wrapper_arguments(op):
+        assert annotations[name] == types[kind], f"fp8kv.ops.{op}: `{name}` is {kind} in the schema"
+
+
+def test_a_layer_holds_every_argument_the_wrappers_take_from_it():
+    layer = fp8kv.PagedKVCache("fp8_e4m3fn", num_layers=1, num_kv_heads=1, head_size=16, num_blocks=1).layer(0)
+    for op in WRAPPED_OPS:
+        for name, _, _, _ in schema_arguments(op):
+            assert name not in LAYER_ARGUMENTS or hasattr(layer, name), f"KVCacheLayer has no `{name}` ({op})"
 
 
 def test_wrapper_tensor_checks_match_the_schemas():
-    """fp8kv.ops names every tensor argument in its TypeError (_TENSORS) and lets exactly the optional
-    ones be None (the names tuple in _check_tensors)."""
-    tensors = {name for op in KERNEL_OPS for name, kind, _, _ in schema_arguments(op) if kind.startswith("Tensor")}
-    optional = {name for op in KERNEL_OPS for name, kind, _, _ in schema_arguments(op) if kind == "Tensor?"}
+    """fp8kv.ops names every tensor argument it takes in its TypeError (_TENSORS) and lets exactly the
+    optional ones be None (the names tuple in _check_arguments)."""
+    arguments = [a for op in KERNEL_OPS for a in wrapper_arguments(op)]
+    tensors = {name for name, kind, _, _ in arguments if kind.startswith("Tensor")}
+    optional = {name for name, kind, _, _ in arguments if kind == "Tensor?"}
     assert tensors <= set(fp8kv.ops._TENSORS), f"missing from fp8kv.ops._TENSORS: {tensors - set(fp8kv.ops._TENSORS)}"
-    allowed_none = [c for c in fp8kv.ops._check_tensors.__code__.co_consts
+    allowed_none = [c for c in fp8kv.ops._check_arguments.__code__.co_consts
                     if isinstance(c, tuple) and c and all(isinstance(x, str) for x in c)]
-    assert len(allowed_none) == 1 and set(allowed_none[0]) == optional, "fp8kv.ops._check_tensors: optional tensors"
+    assert len(allowed_none) == 1 and set(allowed_none[0]) == optional, "fp8kv.ops._check_arguments: optional tensors"
 
 
 def cpp_parameters(path: pathlib.Path, function: str) -> list[list[tuple[str, str]]]:

@@ -1,4 +1,4 @@
-"""fp8kv.ops.paged_attention against the float64 reference in reference.py.
+"""The paged_attention op (torch.ops.fp8kv) against the float64 reference in reference.py.
 
 The reference reads the same cache bytes (dequantized with the test's own tables), so only the
 kernel's fp32 arithmetic and the output rounding separate the two; the bound is derived in
@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-import fp8kv
+import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 from fp8kv._ops import supported_values
 from reference import (CACHE_FORMATS, CACHE_LAYOUTS, FORMAT_BY_NAME, AttentionReference, allocate_caches,
                        assert_within, calibrated_scales, covering_grid, fill_nan, kernel_product_dtype,
@@ -272,7 +272,7 @@ def test_end_to_end_error_follows_the_format_precision(device, cache_format, per
                                              device)
     fill_nan(key_cache)
     fill_nan(value_cache)
-    fp8kv.ops.reshape_and_cache(key.to(device), value.to(device), key_cache, value_cache, slots.to(device),
+    torch.ops.fp8kv.reshape_and_cache(key.to(device), value.to(device), key_cache, value_cache, slots.to(device),
                                 k_scale.to(device), v_scale.to(device))
     query = torch.randn(sum(q_lens), num_heads, head_size, generator=generator).to(torch.float16)
     cu_seqlens_q = None if decode else torch.tensor([0, 1, 13, 43], dtype=torch.int32)
@@ -280,7 +280,7 @@ def test_end_to_end_error_follows_the_format_precision(device, cache_format, per
 
     def attend(v_scale_used):
         out = torch.full_like(query, math.nan).to(device)
-        fp8kv.ops.paged_attention(out, query.to(device), key_cache, value_cache, tables.to(device),
+        torch.ops.fp8kv.paged_attention(out, query.to(device), key_cache, value_cache, tables.to(device),
                                   seq_lens_t.to(device), None if decode else cu_seqlens_q.to(device),
                                   head_size**-0.5, k_scale.to(device), v_scale_used.to(device))
         return out

@@ -1,4 +1,4 @@
-"""fp8kv.ops.reshape_and_cache: exact bytes in the right slots, nothing else touched.
+"""The reshape_and_cache op (torch.ops.fp8kv): exact bytes in the right slots, nothing else touched.
 
 Every cache starts filled with a sentinel byte pattern; after the write, the whole cache must equal
 the sentinel except at the slots of non-negative slot_mapping entries, which must hold the test's
@@ -13,7 +13,7 @@ import zlib
 import pytest
 import torch
 
-import fp8kv
+import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 from reference import (CACHE_FORMATS, CACHE_LAYOUTS, allocate_caches, bits, cache_dtype, random_kv, stored)
 
 SOURCE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -60,7 +60,7 @@ def write_and_check(key, value, key_cache, value_cache, slots, k_scale, v_scale,
         bits(cache).fill_(SENTINEL[cache.element_size()])
     expected_key = expected_cache(key_cache, key, slots, k_scale, cache_format)
     expected_value = expected_cache(value_cache, value, slots, v_scale, cache_format)
-    fp8kv.ops.reshape_and_cache(key.to(device), value.to(device), key_cache, value_cache, slots.to(device),
+    torch.ops.fp8kv.reshape_and_cache(key.to(device), value.to(device), key_cache, value_cache, slots.to(device),
                                 k_scale.to(device), v_scale.to(device))
     for name, cache, expected in (("key_cache", key_cache, expected_key), ("value_cache", value_cache, expected_value)):
         actual = bits(cache).cpu()

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-import fp8kv
+import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 from reference import FORMAT_BY_NAME, allocate_caches, assert_within, bits, random_kv
 from rotated_reference import (HEAD_SIZES, hadamard_matrix, make_rotated_inputs, rotate_float32,
                                rotation_error_bound, stored_rotated)
@@ -77,7 +77,7 @@ def check_rotated_write(device, cache_format, head_size, source, per_head, centr
     def on_device(x):  # unaligned: the same rows, one element into a wider buffer (strides D + 1)
         return torch.cat([x[..., :1], x], dim=-1).to(device)[..., 1:] if unaligned else x.to(device)
 
-    fp8kv.ops.reshape_and_cache(on_device(key), on_device(value), key_cache, value_cache, slots.to(device),
+    torch.ops.fp8kv.reshape_and_cache(on_device(key), on_device(value), key_cache, value_cache, slots.to(device),
                                 k_scale.to(device), v_scale.to(device), True,
                                 None if k_offset is None else k_offset.to(device))
     written = slots >= 0
@@ -152,7 +152,7 @@ def test_recipe_brings_attention_closer_to_the_unquantized_keys(device, cache_fo
             if recipe == "plain":
                 inputs = plain_inputs(inputs, key, value, slots, cache_format)
                 out = torch.empty_like(inputs.query)
-                fp8kv.ops.paged_attention(out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
+                torch.ops.fp8kv.paged_attention(out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
                                           inputs.seq_lens, None, inputs.softmax_scale, inputs.k_scale, inputs.v_scale)
             else:
                 out = inputs.run()
@@ -239,7 +239,7 @@ def test_bad_transform_arguments_are_named(op, bad):
     build, changes, message = BAD_TRANSFORMS[bad]
     args = {**ARGUMENTS[op](**build), **changes}
     with pytest.raises(RuntimeError, match=re.escape(f"fp8kv.{op}: {message}")):
-        getattr(fp8kv.ops, op)(**args)
+        getattr(torch.ops.fp8kv, op)(**args)
 
 
 @pytest.mark.gpu
@@ -248,7 +248,7 @@ def test_offset_on_another_device_is_refused(op):
     args = {name: (value.cuda() if isinstance(value, torch.Tensor) else value) for name, value in ARGUMENTS[op]().items()}
     args["k_offset"] = torch.zeros(2, 64)
     with pytest.raises(RuntimeError, match=re.escape(f"fp8kv.{op}: `k_offset` must be on cuda")):
-        getattr(fp8kv.ops, op)(**args)
+        getattr(torch.ops.fp8kv, op)(**args)
 
 
 @pytest.mark.parametrize("op, output", [("reshape_and_cache", "key_cache"), ("paged_attention", "out")])
@@ -256,7 +256,7 @@ def test_output_overlapping_the_offset_is_refused(op, output):
     args = ARGUMENTS[op]()
     args["k_offset"] = args[output].view(torch.uint8).view(-1)[:512].view(torch.float32).view(2, 64)
     with pytest.raises(RuntimeError, match=re.escape(f"output `{output}` must not overlap input `k_offset`")):
-        getattr(fp8kv.ops, op)(**args)
+        getattr(torch.ops.fp8kv, op)(**args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,8 +286,8 @@ def test_opcheck(device, centred):
 
 def rotated_step(key, value, slots, query, out, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale,
                  k_offset):
-    fp8kv.ops.reshape_and_cache(key, value, key_cache, value_cache, slots, k_scale, v_scale, True, k_offset)
-    fp8kv.ops.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, None, 0.125, k_scale,
+    torch.ops.fp8kv.reshape_and_cache(key, value, key_cache, value_cache, slots, k_scale, v_scale, True, k_offset)
+    torch.ops.fp8kv.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, None, 0.125, k_scale,
                               v_scale, -1, 5.0, True, k_offset)
     return out
 

@@ -18,7 +18,8 @@ HELP = ("the same model with a bf16 and an FP8 KV cache: answers, perplexity, me
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=arguments.device, help=arguments.DEVICE_HELP)
     parser.add_argument("--kv-cache-dtype", type=arguments.fp8_format, metavar="FORMAT",
-                        help=f"the FP8 format to compare with bf16: {format_names(arguments.FP8)} (default: e4m3)")
+                        help=f"the FP8 format to compare with bf16, in fp8kv's rotated recipe: {format_names(arguments.FP8)} "
+                        "(default: e4m3)")
     parser.add_argument("--random-weights", action="store_true",
                         help="run the small random-weight model even where the real model is installed")
     parser.add_argument("--threads", type=arguments.positive_int, help="CPU threads (default: torch's for the real "

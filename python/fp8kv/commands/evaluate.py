@@ -35,8 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text file(s), concatenated in order, e.g. /usr/share/common-licenses/GPL-3")
     parser.add_argument("--kv-cache-dtype", nargs="+", metavar="CACHE", type=_cache,
                         help="FP8 caches to score besides the unquantized one, each FORMAT[-RECIPE][-SOURCE][-fp8math]: FORMAT "
-                        f"one of {format_names(arguments.FP8)}; RECIPE how K/V are stored: plain (or none, or left "
-                        "out), rotated, centred (rotated + centred, docs/rotated_cache.md); SOURCE where the scales (and "
+                        f"one of {format_names(arguments.FP8)}; RECIPE how K/V are stored: rotated (or left out: "
+                        "fp8kv's default recipe, as everywhere), plain, centred (rotated + centred, "
+                        "docs/rotated_cache.md); SOURCE where the scales (and "
                         "a centred cache's K offsets) come from: left out for 1.0 (offsets calibrated on the windows), "
                         "checkpoint (--scales, or the model's own), tensor or head (calibrated on the windows, per "
                         f"tensor or per KV head); fp8math: attended to in FP8 math (see --fp8-math). Default: "

@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "given here")
     parser.add_argument("--kv-cache-dtype", type=arguments.fp8_format, default=KVCacheDtype.parse("fp8"),
                         metavar="FORMAT", help=f"the cache's FP8 format: {format_names(arguments.FP8)} (default fp8); "
-                        "its recipe and scales come from the checkpoint (fp8kv.load_kv_cache_config)")
+                        "stored in fp8kv's rotated recipe (rotated + centred where the checkpoint was calibrated), "
+                        "with the checkpoint's scales (fp8kv.load_kv_cache_config)")
     parser.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST})")
     parser.add_argument("--port", type=_port, default=DEFAULT_PORT, metavar="N",
                         help=f"TCP port (default {DEFAULT_PORT}); 0 takes a free one")

@@ -19,11 +19,11 @@ Metrics, over every predicted token of every window:
   (forward hooks), over all windows. A layer's inputs already carry the earlier layers' errors.
 
 Caches: `auto`, the unquantized paged cache in the model's dtype (always evaluated: it separates the
-integration's own rounding from the format's), and caches named FORMAT[-SOURCE] (caches): an FP8
-format by any of its names, with scale 1, a checkpoint's scales (`-checkpoint`), or scales
-calibrated on the evaluation windows per tensor or per KV head (`-tensor`, `-head`, through
-`fp8kv.calibration`). By default CACHES: e4m3 with each source, e5m2 with scale 1. `e4m3` is
-e4m3fn (e4m3fnuz on MI300, as in vLLM); results name each cache canonically (`float8_e4m3fn-head`).
+integration's own rounding from the format's), and caches named FORMAT[-RECIPE][-SOURCE] (caches): an
+FP8 format by any of its names, in the rotated recipe (left out), `plain` or `centred`, with scale 1,
+a checkpoint's scales (`-checkpoint`), or scales calibrated on the evaluation windows per tensor or
+per KV head (`-tensor`, `-head`, through `fp8kv.calibration`). By default CACHES. `e4m3` is e4m3fn
+(e4m3fnuz on MI300, as in vLLM); results name each cache canonically (`float8_e4m3fn-plain-head`).
 
 Each window runs the model's own attention once, then every cache: a cache's scores are final after
 its pass of the last window (`python -m fp8kv evaluate` prints each row then, through `on_row`).

@@ -2,13 +2,14 @@
 
 A cache is named FORMAT[-RECIPE][-SOURCE][-fp8math]: FORMAT any FP8 format name (fp8kv.formats.format_names:
 e4m3, fp8_e4m3, float8_e4m3fn, e5m2, ...); RECIPE how K/V are stored (RECIPES, docs/rotated_cache.md):
-left out (or PLAIN_NAMES) for plain, `rotated`, `centred` for rotated + centred; SOURCE where its
+left out (or `rotated`) for rotated, fp8kv's default as everywhere else, `plain`, `centred` for rotated +
+centred; SOURCE where its
 scales (and a centred cache's K offsets) come from (SOURCES): left out for scale 1 (a centred cache's
 offsets then calibrated on the evaluation windows), `checkpoint` for a checkpoint's (the plain recipe's
 k_scale / v_scale, the rotated recipe's fp8kv_kv_cache.json), `tensor` / `head` for calibrated on the
 evaluation windows; `fp8math` attends to the cache in FP8 tensor-core math (`fp8_math`, docs/ops.md;
 e4m3fn and e5m2 caches, compute capability 9.0 GPUs), next to the same cache in 16-bit math.
-`cache_name` gives the one canonical spelling (`float8_e4m3fn-centred-tensor`).
+`cache_name` gives the one canonical spelling (`float8_e4m3fn-centred-tensor`; the default recipe left out).
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from ..formats import KVCacheConfig, KVCacheDtype, format_names
 from ..rotation import Rotation
 
 UNQUANTIZED = "auto"
-RECIPES = {"": "plain", "rotated": "rotated", "centred": "rotated + centred"}
-PLAIN_NAMES = ("plain", "none")  # the plain recipe spelled out (canonically it is left out)
+PLAIN = "plain"
+RECIPES = {"": "rotated", PLAIN: "plain", "centred": "rotated + centred"}
+ROTATED = "rotated"  # the default recipe spelled out (canonically it is left out)
 SOURCES = {"": "scale 1", "checkpoint": "checkpoint scales", "tensor": "calibrated per tensor",
            "head": "calibrated per head"}
 FP8_MATH = "fp8math"  # the last part of a cache attended to in FP8 math
 # Evaluated by default (the checkpoint's recipes only where it has them).
-CACHES = ("e4m3", "e4m3-checkpoint", "e4m3-tensor", "e4m3-head", "e4m3-rotated", "e4m3-centred",
-          "e4m3-rotated-checkpoint", "e4m3-centred-checkpoint", "e5m2", "e5m2-rotated", "e5m2-centred")
+CACHES = ("e4m3-plain", "e4m3-plain-checkpoint", "e4m3-plain-tensor", "e4m3-plain-head", "e4m3", "e4m3-centred",
+          "e4m3-checkpoint", "e4m3-centred-checkpoint", "e5m2-plain", "e5m2", "e5m2-centred")
 
 
 def parse_cache(name: str) -> tuple[KVCacheDtype, str, str]:
@@ -39,7 +41,7 @@ def parse_cache(name: str) -> tuple[KVCacheDtype, str, str]:
     if fp8_math:
         rest.pop()
     recipe = ""
-    if rest and rest[0] in PLAIN_NAMES:
+    if rest and rest[0] == ROTATED:
         rest.pop(0)
     elif rest and rest[0] and rest[0] in RECIPES:
         recipe = rest.pop(0)
@@ -50,8 +52,8 @@ def parse_cache(name: str) -> tuple[KVCacheDtype, str, str]:
         fmt = None
     if fmt is None or not fmt.is_fp8 or rest:
         raise ValueError(f"unknown cache {name!r}: expected FORMAT[-RECIPE][-SOURCE][-{FP8_MATH}], FORMAT one of "
-                         f"{format_names(lambda f: f.is_fp8)}; RECIPE one of {', '.join(PLAIN_NAMES)} (or left out: "
-                         f"plain), {', '.join(filter(None, RECIPES))}; SOURCE one of "
+                         f"{format_names(lambda f: f.is_fp8)}; RECIPE one of {ROTATED} (or left out), "
+                         f"{', '.join(filter(None, RECIPES))}; SOURCE one of "
                          f"{', '.join(filter(None, SOURCES))} (or left out: scale 1)")
     if fp8_math and fmt not in FP8_MATH_FORMATS:
         raise ValueError(f"cache {name!r}: FP8 math ({FP8_MATH}) reads {FP8_MATH_FORMATS[0].value} and "
@@ -106,8 +108,8 @@ def per_tensor(amax):
 def checkpoint_recipe(checkpoint: dict[Rotation, KVCacheConfig], recipe: str) -> KVCacheConfig | None:
     """The checkpoint's config for `recipe` (by rotation, as the pipeline loaded them), or None: a
     centred cache needs the rotated recipe's K offsets, a rotated one a rotated recipe without them."""
-    config = checkpoint.get(Rotation.NONE if recipe == "" else Rotation.HADAMARD)
-    if config is not None and recipe and (config.k_offsets is not None) != (recipe == "centred"):
+    config = checkpoint.get(Rotation.NONE if recipe == PLAIN else Rotation.HADAMARD)
+    if config is not None and recipe != PLAIN and (config.k_offsets is not None) != (recipe == "centred"):
         return None
     return config
 
@@ -123,7 +125,7 @@ def kv_cache_configs(model, windows: torch.Tensor, names, *, checkpoint: dict[Ro
     amax = None
     for name in names:
         fmt, recipe, source = parse_cache(name)
-        rotation = Rotation.HADAMARD if recipe else Rotation.NONE
+        rotation = Rotation.NONE if recipe == PLAIN else Rotation.HADAMARD
         if source == "checkpoint":
             config = checkpoint_recipe(checkpoint or {}, recipe)
             if config is None:
@@ -138,7 +140,7 @@ def kv_cache_configs(model, windows: torch.Tensor, names, *, checkpoint: dict[Ro
                 amax = calibrate(model, [w[None] for w in windows], granularity="head", progress=progress)
             finally:
                 model.set_attn_implementation(implementation)
-            if recipe and amax.rotated is None:
+            if recipe != PLAIN and amax.rotated is None:
                 raise ValueError(f"--kv-cache-dtype {name}: the model's head size has no rotation")
         if source == "":
             unit = KVCacheConfig.unit_scales(fmt, num_layers, rotation=rotation)
@@ -149,7 +151,7 @@ def kv_cache_configs(model, windows: torch.Tensor, names, *, checkpoint: dict[Ro
             continue
         # e5m2 uses scales calibrated for e4m3fn as they are, as it does a checkpoint's.
         calibrated_for = fmt if fmt.is_e4m3 else KVCacheDtype.E4M3FN
-        if recipe:
+        if recipe != PLAIN:
             config = amax.rotated.kv_cache(calibrated_for, source, centred=recipe == "centred")
         else:
             config = (amax if source == "head" else per_tensor(amax)).scales(calibrated_for)

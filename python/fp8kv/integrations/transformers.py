@@ -191,8 +191,8 @@ class _PagedState:
                                       num_blocks=self.num_blocks, block_size=self.block_size,
                                       model_dtype=key.dtype, device=key.device, layout=self.layout)
             self.seen = torch.zeros((), dtype=torch.int64, device=key.device)
-            self.attention = LayerAttentions(self.kv_cache, key.device, self.fp8_math)
-            mark_static(self.paged.storage, self.seen)
+            self.attention = LayerAttentions(self.kv_cache, self.fp8_math)
+            mark_static(*self.paged.tensors, self.seen)
 
     def attend(self, layer_idx, query, key, value, new_tokens, scaling, sliding_window, softcap,
                positions) -> torch.Tensor:
@@ -210,9 +210,8 @@ class _PagedState:
             q, k, v = (t.transpose(1, 2).reshape(batch_size * new, t.shape[1], head_size) for t in (query, key, value))
         if rows is not None:
             q, k, v = q[rows], k[rows], v[rows]
-        # Not module(...): the storage and the modules come from one KVCacheConfig, so PagedAttention.forward's
-        # format check holds by construction, and the module call costs host time at every layer of every step.
-        out = module.write_and_attend(q, k, v, *self.paged.layer(layer_idx), batch)
+        # forward, not module(...): the module call's hooks cost host time at every layer of every step.
+        out = module.forward(q, k, v, self.paged.layer(layer_idx), batch)
         if rows is not None:
             out = torch.zeros(batch_size * new, num_heads, head_size, dtype=out.dtype, device=out.device).index_copy_(
                 0, rows, out)

@@ -48,144 +48,20 @@ import weakref
 from typing import NamedTuple
 
 import torch
-from packaging.version import Version
 
 from .._ops import has_cuda_kernels, supported_values
-from ..attention import LayerAttentions
-from ..cache import BatchMetadata
 from ..checkpoint.config import model_head_size
 from ..checkpoint.per_rank import shard_kv_cache_config
 from ..formats import KVCacheConfig
-from ..models import pip_install
 from ..rotation import Rotation, check_head_size
-
-# The transformers releases whose continuous batching these hooks were written for and tested with
-# (major, minor), both included; pyproject.toml's [serve] extra requires the same range.
-SUPPORTED_VERSIONS = ((5, 23), (5, 24))
+from .transformers_cb_check import _Transformers
+# The integration's interface, from the modules that hold them (fp8kv.integrations.transformers and serve use
+# them from here).
+from .transformers_cb_check import SUPPORTED_VERSIONS, UnsupportedTransformersError  # noqa: F401
+from .transformers_cb_steps import CACHES, CacheState, serves
+from .transformers_cb_steps import attend  # noqa: F401
 
 logger = logging.getLogger(__name__)
-
-
-class UnsupportedTransformersError(RuntimeError):
-    """The installed transformers is not one whose continuous batching fp8kv can run on."""
-
-
-def supported_range() -> str:
-    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_VERSIONS
-    return f"{low_major}.{low_minor} to {high_major}.{high_minor}"
-
-
-def _requirement() -> str:
-    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_VERSIONS
-    return f"transformers>={low_major}.{low_minor},<{high_major}.{high_minor + 1}"
-
-
-def _unsupported(version: str, why: str) -> UnsupportedTransformersError:
-    return UnsupportedTransformersError(
-        f"fp8kv's continuous batching supports transformers {supported_range()}; transformers {version} is installed "
-        f"({why}): {pip_install(_requirement())}")
-
-
-# ----------------------------------------------------------------------------- what is hooked, and its check
-
-# Each hooked or called function of transformers and its parameters, first to last as fp8kv calls them.
-_PARAMETERS = {
-    "PagedAttentionCache.__init__": ("self", "config", "continuous_batching_config", "device", "distributed_helper",
-                                     "dtype"),
-    "PagedAttentionCache.update": ("self", "key_states", "value_states", "layer_idx", "kwargs"),
-    "PagedAttentionMemoryHandler.__init__": ("self", "config", "cb_config", "dtype"),
-    "ContinuousBatchingManager.switch_to_cb_friendly_attn": ("self", "model", "auto_switch_to_flash"),
-    "ensure_decode_fast_path_is_available": ("config", "cb_config", "user_requested"),
-    "FullAttentionCacheAllocator.get_cache_for_block_table": ("self", "layer_idx"),
-    "group_layers_by_attn_type": ("config",),
-    "find_num_key_value_heads": ("config",),
-    "DistributedHelper.__init__": ("self", "device_mesh", "cpu_group_timeout", "tp_plan"),
-    "DistributedHelper.extract_tp_mesh": ("device_mesh",),
-    "DistributedHelper.are_kv_heads_tp_ed": ("self",),
-    "ContinuousBatchingIOs.get_model_kwargs": ("self", "use_padding"),
-    "ContinuousBatchingAsyncIOs.get_model_kwargs": ("self", "use_padding"),
-}
-# The keyword arguments of a continuous-batching forward that fp8kv's attention reads.
-_STEP_ARGUMENTS = ("cache", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_k", "write_index", "read_index",
-                   "block_table")
-# The reserves of PagedAttentionMemoryHandler that fp8kv's caches set, in its __init__.
-_MEMORY_RESERVES = ("activation_dtype", "num_attention_masks", "kv_heads_at_peak")
-# The ContinuousBatchingConfig settings fp8kv reads (the last three: whether transformers pads the steps).
-_BATCHING_SETTINGS = ("page_size", "cuda_graph_booleans", "varlen_compile_config", "decode_compile_config")
-# The attributes that the inputs' __init__ sets and _ordering_reads_after_resets reads: the cache, and the
-# stream reading the device inputs next (the synchronous inputs' compute stream, the asynchronous ones' transfer).
-_INPUTS_ATTRIBUTES = ("cache", "compute_stream")
-_ASYNC_INPUTS_ATTRIBUTES = ("io_pairs", "h2d_stream")
-
-
-class _Transformers:
-    """transformers' continuous-batching modules, imported and checked."""
-
-    def __init__(self):
-        import transformers
-
-        version = transformers.__version__
-        if not SUPPORTED_VERSIONS[0] <= Version(version).release[:2] <= SUPPORTED_VERSIONS[1]:
-            raise _unsupported(version, "its continuous batching is not one these hooks were written for")
-        try:
-            from transformers import ContinuousBatchingConfig
-            from transformers.generation.continuous_batching import cache, cache_allocators, continuous_api
-            from transformers.generation.continuous_batching import distributed, initialization, input_outputs, utils
-        except ImportError as e:
-            raise _unsupported(version, f"{e}") from None
-        self.cache, self.initialization, self.utils = cache, initialization, utils
-        self.distributed_helper = distributed.DistributedHelper
-        self.memory_handler = cache.PagedAttentionMemoryHandler
-        self.manager = continuous_api.ContinuousBatchingManager
-        self.inputs = input_outputs.ContinuousBatchingIOs
-        self.async_inputs = input_outputs.ContinuousBatchingAsyncIOs
-        self.full_attention = getattr(cache_allocators, "FULL_ATTENTION", None)
-        functions = {
-            "PagedAttentionCache.__init__": cache.PagedAttentionCache.__init__,
-            "PagedAttentionCache.update": cache.PagedAttentionCache.update,
-            "PagedAttentionMemoryHandler.__init__": self.memory_handler.__init__,
-            "ContinuousBatchingManager.switch_to_cb_friendly_attn": getattr(self.manager, "switch_to_cb_friendly_attn",
-                                                                            None),
-            "ensure_decode_fast_path_is_available": getattr(initialization, "ensure_decode_fast_path_is_available",
-                                                            None),
-            "FullAttentionCacheAllocator.get_cache_for_block_table": getattr(
-                cache_allocators.FullAttentionCacheAllocator, "get_cache_for_block_table", None),
-            "group_layers_by_attn_type": getattr(cache, "group_layers_by_attn_type", None),
-            "find_num_key_value_heads": getattr(utils, "find_num_key_value_heads", None),
-            "DistributedHelper.__init__": self.distributed_helper.__init__,
-            "DistributedHelper.extract_tp_mesh": getattr(self.distributed_helper, "extract_tp_mesh", None),
-            "DistributedHelper.are_kv_heads_tp_ed": getattr(self.distributed_helper, "are_kv_heads_tp_ed", None),
-            "ContinuousBatchingIOs.get_model_kwargs": getattr(self.inputs, "get_model_kwargs", None),
-            "ContinuousBatchingAsyncIOs.get_model_kwargs": getattr(self.async_inputs, "get_model_kwargs", None),
-        }
-        problems = [_signature_problem(name, functions[name], expected) for name, expected in _PARAMETERS.items()]
-        step_arguments = getattr(input_outputs, "PagedAttentionArgs", dict).__annotations__
-        problems.append(_missing("PagedAttentionArgs", _STEP_ARGUMENTS, step_arguments))
-        problems.append(_missing("ContinuousBatchingConfig", _BATCHING_SETTINGS, dir(ContinuousBatchingConfig)))
-        problems.append(_missing("PagedAttentionMemoryHandler.__init__", _MEMORY_RESERVES,
-                                 inspect.unwrap(self.memory_handler.__init__).__code__.co_names))
-        for inputs, attributes in ((self.inputs, _INPUTS_ATTRIBUTES), (self.async_inputs, _ASYNC_INPUTS_ATTRIBUTES)):
-            problems.append(_missing(f"{inputs.__name__}.__init__", attributes,
-                                     inspect.unwrap(inputs.__init__).__code__.co_names))
-        if self.full_attention != "full_attention":
-            problems.append(f"cache_allocators.FULL_ATTENTION is {self.full_attention!r}, not 'full_attention'")
-        problems = [p for p in problems if p]
-        if problems:
-            raise _unsupported(version, "; ".join(problems))
-
-
-def _signature_problem(name: str, function, expected: tuple[str, ...]) -> str | None:
-    if function is None:
-        return f"it has no {name}"
-    parameters = tuple(inspect.signature(function).parameters)
-    if parameters[:len(expected)] != expected:
-        return f"{name} takes ({', '.join(parameters)}), not ({', '.join(expected)}, ...)"
-    return None
-
-
-def _missing(owner: str, names: tuple[str, ...], present) -> str | None:
-    absent = [name for name in names if name not in present]
-    return f"{owner} has no {', '.join(absent)}" if absent else None
 
 
 _TRANSFORMERS: _Transformers | None = None
@@ -352,7 +228,7 @@ def _allocating_fp8_pages(original):
         arguments["dtype"] = kv_cache.torch_dtype(arguments["dtype"])
         original(*bound.args, **bound.kwargs)
         cache = arguments["self"]
-        _CACHES[cache] = _CacheState(kv_cache, device, _pads_steps(batching), enabled.fp8_math)
+        CACHES[cache] = CacheState(kv_cache, _pads_steps(batching), enabled.fp8_math)
         logger.info("%s", describe(cache))
 
     return __init__
@@ -389,7 +265,7 @@ def _reserving_for_fp8kv(original):
 def _leaving_writes_to_attention(original):
     @functools.wraps(original)
     def update(self, key_states, value_states, layer_idx, kwargs):
-        if self not in _CACHES:
+        if self not in CACHES:
             return original(self, key_states, value_states, layer_idx, kwargs)
         kwargs["cache"] = self  # the attention function writes the new K/V and reads the pages
         return key_states, value_states
@@ -442,124 +318,9 @@ def _ordering_reads_after_resets(original):
     return get_model_kwargs
 
 
-# ----------------------------------------------------------------------------- the caches and their attention
-
-
-class _CacheState:
-    """fp8kv's part of one transformers cache: its layers' PagedAttention modules and caches, and the
-    index tensors of the step being run (derived once per step, for every layer; `padded`: whether
-    transformers pads the steps, see _step_metadata)."""
-
-    def __init__(self, kv_cache: KVCacheConfig, device: torch.device, padded: bool, fp8_math: bool):
-        self.kv_cache, self.padded = kv_cache, padded
-        self.layers = LayerAttentions(kv_cache, device, fp8_math)
-        self._caches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._step: tuple[weakref.ref, bool, BatchMetadata] | None = None
-
-    def caches(self, allocator, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's key and value caches as the ops take them: [blocks, page_size, kv_heads,
-        head_size], one page per block. transformers' page views hold every page from the layer's
-        first on (its other layers' and its values' too), which its kernels index through the block
-        table; one page in `pages_per_block` of each is the layer's."""
-        if layer not in self._caches:
-            key_pages, value_pages = allocator.get_cache_for_block_table(layer)
-            pages_per_block = allocator.block_physical_stride // allocator.tokens_per_page
-            self._caches[layer] = key_pages[::pages_per_block], value_pages[::pages_per_block]
-        return self._caches[layer]
-
-    def step(self, allocator, kwargs: dict) -> BatchMetadata:
-        # A step's index tensors are views made for that step, shared by its layers: the same object is the
-        # same step (a weak reference, so a later step's view at a recycled address is not mistaken for it).
-        # transformers runs a step once before capturing it in a CUDA graph, on the same views: the capture
-        # derives the indices again, so that the graph holds that work and replays it on each step's values.
-        seq_ends = kwargs["cu_seq_lens_k"][allocator.layer_type]
-        capturing = _capturing(seq_ends)
-        if self._step is None or self._step[0]() is not seq_ends or self._step[1] != capturing:
-            self._step = weakref.ref(seq_ends), capturing, _step_metadata(allocator, seq_ends, kwargs, self.padded)
-        return self._step[2]
-
-
-_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _capturing(tensor: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream of `tensor`'s device."""
-    return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
-def serves(cache) -> bool:
-    """True for a transformers continuous-batching cache holding pages for fp8kv."""
-    return cache is not None and cache in _CACHES
-
-
-def _step_metadata(allocator, seq_ends: torch.Tensor, kwargs: dict, padded: bool) -> BatchMetadata:
-    """The step's slots, block tables, lengths and query offsets, on the device, without waiting for it.
-
-    transformers numbers a layer's cache by rows: row r is in block r // block_stride, at position r %
-    block_stride of its page (the block's rows beyond the page belong to other layers). On the decode
-    fast path its block table gives each request's pages (block * pages per block) and its sequence
-    ends the lengths; the new token goes at the last position. Otherwise the write indices are the new
-    tokens' rows, and the read indices list every request's rows in order (where no request reads the
-    cache, every one is a new prompt and its rows are the ones it writes): the first row of each page
-    gives the block.
-
-    Where the step is `padded` (under CUDA graphs or torch.compile), transformers pads it to a fixed
-    size: on the decode fast path with requests of length 0, which get no slot and which the kernel
-    answers with zeros; otherwise with query rows past the last request's (cu_seq_lens_q[-1] < rows),
-    which no request owns: see _owning_padding_rows. Their output is never read."""
-    page, block_stride = allocator.tokens_per_page, allocator.block_physical_stride
-    seq_lens = (seq_ends[1:] - seq_ends[:-1]).to(torch.int32)
-    block_table = kwargs["block_table"]
-    if block_table is not None:
-        tables = torch.div(block_table[allocator.index], block_stride // page, rounding_mode="floor")
-        last = seq_lens.long() - 1  # -1 for the padding rows of an empty sequence: no slot
-        blocks = tables.gather(1, (last.clamp(min=0) // page).unsqueeze(1)).squeeze(1).long()
-        slots = torch.where(seq_lens > 0, blocks * page + last % page, -1)
-        return BatchMetadata(slots, tables, seq_lens, None)
-    write_rows = kwargs["write_index"][allocator.index]
-    read_rows = kwargs["read_index"][allocator.index]
-    rows = read_rows if read_rows.numel() else write_rows
-    width = -(-kwargs["max_length_k"][allocator.layer_type] // page)
-    offsets = torch.arange(width, device=rows.device) * page
-    firsts = (seq_ends[:-1].long().unsqueeze(1) + offsets).clamp(max=rows.numel() - 1)
-    tables = torch.where(offsets < seq_lens.unsqueeze(1), rows[firsts] // block_stride, 0).to(torch.int32)
-    slots = write_rows // block_stride * page + write_rows % block_stride
-    batch = BatchMetadata(slots, tables, seq_lens, kwargs["cu_seq_lens_q"])
-    return _owning_padding_rows(batch, page) if padded else batch
-
-
-def _owning_padding_rows(batch: BatchMetadata, page: int) -> BatchMetadata:
-    """`batch` with its padding rows (those past cu_seqlens_q[-1]) unwritten and owned by one more
-    sequence, of those rows only, over block 0 (in transformers' never-allocated trash sectors)."""
-    num_rows = batch.num_tokens
-    query_ends = batch.cu_seqlens_q
-    is_padding = torch.arange(num_rows, device=query_ends.device) >= query_ends[-1]
-    tables = batch.block_tables
-    tables = torch.nn.functional.pad(tables, (0, max(0, -(-num_rows // page) - tables.shape[1])))
-    return BatchMetadata(batch.slot_mapping.masked_fill(is_padding, -1),
-                         torch.cat([tables, tables.new_zeros(1, tables.shape[1])]),
-                         torch.cat([batch.seq_lens, num_rows - query_ends[-1:]]),
-                         torch.cat([query_ends, query_ends.new_full((1,), num_rows)]))
-
-
-@torch.compiler.disable  # eager, as transformers' own cache update: the step's indices are derived in Python
-def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cache, scaling, sliding_window,
-           softcap, kwargs: dict) -> torch.Tensor:
-    """One layer of a continuous-batching step: query [1, heads, tokens, head_size], key/value the
-    step's new [1, kv_heads, tokens, head_size]. Returns [1, tokens, heads, head_size]."""
-    state = _CACHES[cache]
-    layer = module.layer_idx
-    allocator = cache.layer_to_allocator[layer]
-    _, num_heads, tokens, head_size = query.shape
-    attention = state.layers.get(layer, num_heads, key.shape[1], head_size, scaling, sliding_window, softcap)
-    q, k, v = (t.transpose(1, 2).reshape(tokens, t.shape[1], head_size) for t in (query, key, value))
-    out = attention.write_and_attend(q, k, v, *state.caches(allocator, layer), state.step(allocator, kwargs))
-    return out.view(1, tokens, num_heads, head_size)
-
-
 def describe(cache) -> str:
     """What a cache holds for fp8kv: its format and recipe, and its size as allocated."""
-    state = _CACHES[cache]
+    state = CACHES[cache]
     kv_cache = state.kv_cache
     page = cache.cache_allocators[_TRANSFORMERS.full_attention].tokens_per_page
     allocated = cache.cache_tensor.numel() * cache.cache_tensor.element_size()

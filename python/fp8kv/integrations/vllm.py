@@ -13,12 +13,14 @@ The cache is vLLM's, read in place: each layer's page is a logical [num_blocks, 
 block_size, 2 * head_size] view of vLLM's buffer (the uint8 storage of an FP8 cache), K in the first
 half of the last dimension and V in the second, in whichever memory order vLLM's KVCacheLayout gave
 it. `kv_cache_halves` views its two halves as fp8kv's [num_blocks, block_size, num_kv_heads,
-head_size] caches, which take any strides. The scales are the attention layer's `_k_scale` and
-`_v_scale` as vLLM loaded them (0-dim, [1] or [num_kv_heads], float32, on the device), used as they
-are: vLLM's own adjustments (doubling an FP8 checkpoint's for e4m3fnuz) are made already.
+head_size] caches, which take any strides, and `page_layer` makes them a KVCacheLayer of the plain
+recipe with the attention layer's `_k_scale` and `_v_scale` as vLLM loaded them (0-dim, [1] or
+[num_kv_heads], float32, on the device), used as they are: vLLM's own adjustments (doubling an FP8
+checkpoint's for e4m3fnuz) are made already. Under the rotated recipe the layer comes from fp8kv's
+KVCacheConfig instead (fp8kv.integrations.vllm_recipe).
 
 This module does not import vLLM: the functions below are the backend's work on plain tensors
-(`write_kv`, `attend`), so they are tested on GPUs without vLLM installed.
+(`page_layer`, `attend`), so they are tested on GPUs without vLLM installed.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from ..formats import KVCacheDtype
+from ..layer import KVCacheLayer
+from ..rotation import Rotation
 
 BACKEND_NAME = "FP8KV"
 BACKEND_CLASS = "fp8kv.integrations.vllm_backend.Fp8kvAttentionBackend"
@@ -89,10 +94,14 @@ def kv_cache_halves(kv_cache: torch.Tensor, head_size: int,
     return pages[..., :head_size], pages[..., head_size:]
 
 
-def scale_vector(scale: torch.Tensor) -> torch.Tensor:
-    """A layer's scale as fp8kv takes it, [1] or [num_kv_heads]: a view of vLLM's tensor (0-dim for a
-    per-tensor scale), so a captured graph reads the values vLLM holds at replay."""
-    return scale.view(-1)
+def page_layer(kv_cache: torch.Tensor, head_size: int, fp8: torch.dtype | None, k_scale: torch.Tensor,
+               v_scale: torch.Tensor) -> KVCacheLayer:
+    """The plain recipe's KVCacheLayer over one layer's vLLM page, with the scales vLLM holds for it:
+    views of vLLM's tensors (a 0-dim per-tensor scale viewed as [1]), so a captured graph reads the
+    values vLLM holds at replay."""
+    key_cache, value_cache = kv_cache_halves(kv_cache, head_size, fp8)
+    fmt = KVCacheDtype.UNQUANTIZED if fp8 is None else KVCacheDtype.parse(fp8)
+    return KVCacheLayer(fmt, key_cache, value_cache, k_scale.view(-1), v_scale.view(-1), Rotation.NONE, None)
 
 
 @dataclass
@@ -111,32 +120,16 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor | None  # int32 [num_reqs - num_decodes + 1], None without such requests
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             fp8: torch.dtype | None, k_scale: torch.Tensor, v_scale: torch.Tensor, hadamard: bool = False,
-             k_offset: torch.Tensor | None = None) -> None:
-    """Quantizes `key`/`value` [num_tokens, num_kv_heads, head_size] into their slots of one layer's vLLM
-    page (a negative slot skips its token); `hadamard` and `k_offset` as fp8kv's ops take them (the
-    rotated recipe: docs/rotated_cache.md)."""
-    key_cache, value_cache = kv_cache_halves(kv_cache, key.shape[-1], fp8)
-    ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, scale_vector(k_scale),
-                          scale_vector(v_scale), hadamard, k_offset)
-
-
-def attend(output: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata,
-           fp8: torch.dtype | None, softmax_scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
-           sliding_window: int = -1, logits_soft_cap: float = 0.0, hadamard: bool = False,
-           k_offset: torch.Tensor | None = None) -> None:
-    """Attention of `query` [num_tokens, num_heads, head_size] over one layer's vLLM page, written into
-    `output` (same shape): the decode rows in one call, the other requests' rows in a second. The
-    recipe's arguments must be those the page was written with."""
-    key_cache, value_cache = kv_cache_halves(kv_cache, query.shape[-1], fp8)
-    k_scale, v_scale = scale_vector(k_scale), scale_vector(v_scale)
-    options = (sliding_window, logits_soft_cap, hadamard, k_offset)
+def attend(output: torch.Tensor, query: torch.Tensor, layer: KVCacheLayer, metadata: AttentionMetadata,
+           softmax_scale: float, sliding_window: int = -1, logits_soft_cap: float = 0.0) -> None:
+    """Attention of `query` [num_tokens, num_heads, head_size] over one layer's vLLM page (`layer`),
+    written into `output` (same shape): the decode rows in one call, the other requests' rows in a
+    second."""
+    options = (softmax_scale, sliding_window, logits_soft_cap)
     m, d = metadata, metadata.num_decodes
     if d:
-        ops.paged_attention(output[:d], query[:d], key_cache, value_cache, m.block_table[:d], m.seq_lens[:d], None,
-                            softmax_scale, k_scale, v_scale, *options)
+        ops.paged_attention(output[:d], query[:d], layer, m.block_table[:d], m.seq_lens[:d], None, *options)
     if m.query_start_loc is not None:
         rows = slice(d, m.num_query_rows)
-        ops.paged_attention(output[rows], query[rows], key_cache, value_cache, m.block_table[d:], m.seq_lens[d:],
-                            m.query_start_loc, softmax_scale, k_scale, v_scale, *options)
+        ops.paged_attention(output[rows], query[rows], layer, m.block_table[d:], m.seq_lens[d:], m.query_start_loc,
+                            *options)

@@ -2,7 +2,8 @@
 
 Modelled on vLLM's FlashAttention backend: vLLM writes each step's K/V through the layer's
 `do_kv_cache_update` (fp8kv's reshape_and_cache), then calls `forward` (fp8kv's paged_attention),
-both on the layer's page of vLLM's cache in place (fp8kv.integrations.vllm says how it is viewed).
+both on the layer's page of vLLM's cache in place, as one KVCacheLayer with the layer's recipe and
+scales (fp8kv.integrations.vllm says how the page is viewed).
 Needs vLLM (pyproject.toml's [vllm] extra); docs/vllm.md says what the backend refuses.
 """
 
@@ -23,10 +24,13 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        AttentionType, CommonAttentionMetadata)
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
+from .. import ops
 from .._ops import has_cuda_kernels, supported_values
 from ..formats import KVCacheConfig
+from ..layer import KVCacheLayer
 from ..rotation import Rotation
-from .vllm import BACKEND_NAME, KV_CACHE_DTYPES, SUPPORTED_VLLM, AttentionMetadata, attend, cache_format, write_kv
+from .vllm import (BACKEND_NAME, KV_CACHE_DTYPES, SUPPORTED_VLLM, AttentionMetadata, attend, cache_format,
+                   kv_cache_halves, page_layer)
 from .vllm_recipe import ROTATION_KEY, chosen_rotation, rotated_recipe
 
 
@@ -151,20 +155,21 @@ class Fp8kvAttentionImpl(AttentionImpl[AttentionMetadata]):
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         # The rotated recipe (vllm_recipe says how it is chosen): the model's recipe is read here, at
-        # model construction, and this layer's scales and K offset are bound once the weights are
-        # loaded (process_weights_after_loading), when the layer's name and device are known.
+        # model construction, and bound to this layer once the weights are loaded
+        # (process_weights_after_loading), when the layer's name and device are known.
         config = get_current_vllm_config()
         self.rotated: KVCacheConfig | None = None
-        self.recipe: LayerRecipe | None = None
-        if chosen_rotation(config.additional_config) is Rotation.HADAMARD:
+        self.rotated_layer: KVCacheLayer | None = None  # the layer's recipe, over empty caches until a call
+        if chosen_rotation(config.additional_config, self.fp8) is Rotation.HADAMARD:
             refused = {"speculative decoding (a draft model's layers are not the checkpoint's)":
                        config.speculative_config is not None,
                        "a layer reading another layer's cache (kv_sharing_target_layer_name)":
                        kv_sharing_target_layer_name is not None}
             for what, present in refused.items():
                 if present:
-                    raise NotImplementedError(f"fp8kv's rotated recipe ({ROTATION_KEY} 'hadamard') does not support "
-                                              f"{what}")
+                    raise NotImplementedError(f"fp8kv's rotated recipe ({ROTATION_KEY} 'hadamard', the default for "
+                                              f"an FP8 cache) does not support {what}; choose the plain recipe "
+                                              f"({ROTATION_KEY} 'none')")
             self.rotated = checkpoint_recipe(config, self.fp8)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
@@ -176,23 +181,22 @@ class Fp8kvAttentionImpl(AttentionImpl[AttentionMetadata]):
         if not 0 <= index < self.rotated.num_layers:
             raise ValueError(f"fp8kv's rotated recipe: layer {name!r} (index {index}) is not one of the checkpoint's "
                              f"{self.rotated.num_layers} layers ({self.rotated.source})")
-        self.recipe = LayerRecipe(self.rotated.k_scale(index, device), self.rotated.v_scale(index, device),
-                                  self.rotated.k_offset(index, device))
+        empty = torch.empty((0, 1, self.num_kv_heads, self.head_size), dtype=self.fp8, device=device)
+        self.rotated_layer = KVCacheLayer._of_config(self.rotated, index, empty, empty)
 
-    def _recipe(self, layer: torch.nn.Module) -> dict:
-        """write_kv's and attend's recipe arguments: the plain recipe with the scales vLLM holds, or
-        the rotated one bound for this layer."""
+    def _layer(self, layer: torch.nn.Module, kv_cache: torch.Tensor) -> KVCacheLayer:
+        """The KVCacheLayer of this layer's page: the plain recipe with the scales vLLM holds, or the
+        rotated one bound for this layer."""
         if self.rotated is None:
-            return {"k_scale": layer._k_scale, "v_scale": layer._v_scale}
-        if self.recipe is None:
+            return page_layer(kv_cache, self.head_size, self.fp8, layer._k_scale, layer._v_scale)
+        if self.rotated_layer is None:
             raise RuntimeError("fp8kv's rotated recipe is bound to a layer when vLLM has loaded the model's weights "
                                "(process_weights_after_loading), which has not happened for this layer")
-        return {"k_scale": self.recipe.k_scale, "v_scale": self.recipe.v_scale, "hadamard": True,
-                "k_offset": self.recipe.k_offset}
+        return self.rotated_layer.with_caches(*kv_cache_halves(kv_cache, self.head_size, self.fp8))
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        write_kv(key, value, kv_cache, slot_mapping, self.fp8, **self._recipe(layer))
+        ops.reshape_and_cache(key, value, self._layer(layer, kv_cache), slot_mapping)
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata, output: torch.Tensor,
@@ -202,15 +206,6 @@ class Fp8kvAttentionImpl(AttentionImpl[AttentionMetadata]):
             raise NotImplementedError("fp8kv's attention backend does not quantize its output (output_scale)")
         if attn_metadata is None:  # vLLM's profiling run, before there is a cache
             return output.fill_(0)
-        attend(output, query, kv_cache, attn_metadata, self.fp8, self.scale, sliding_window=self.sliding_window,
-               logits_soft_cap=self.logits_soft_cap, **self._recipe(layer))
+        attend(output, query, self._layer(layer, kv_cache), attn_metadata, self.scale, self.sliding_window,
+               self.logits_soft_cap)
         return output
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerRecipe:
-    """One layer's rotated recipe on its device: float32 scales [1] or [num_kv_heads], K offset
-    [num_kv_heads, head_size] or None (rotated, not centred)."""
-    k_scale: torch.Tensor
-    v_scale: torch.Tensor
-    k_offset: torch.Tensor | None
