@@ -206,10 +206,10 @@ def test_cpu_rows_do_not_depend_on_the_rows_computed_with_them(window):
         """The prompt's rows [first, seq_len) with seq_len of its tokens cached."""
         query = inputs.query[first:seq_len]
         out = torch.full_like(query, math.nan)
-        fp8kv.ops.paged_attention(out, query, inputs.key_cache, inputs.value_cache, inputs.block_tables[:1],
-                                  torch.tensor([seq_len], dtype=torch.int32),
-                                  None if decode else torch.tensor([0, seq_len - first], dtype=torch.int32),
-                                  inputs.softmax_scale, inputs.k_scale, inputs.v_scale, window)
+        torch.ops.fp8kv.paged_attention(out, query, inputs.key_cache, inputs.value_cache, inputs.block_tables[:1],
+                                        torch.tensor([seq_len], dtype=torch.int32),
+                                        None if decode else torch.tensor([0, seq_len - first], dtype=torch.int32),
+                                        inputs.softmax_scale, inputs.k_scale, inputs.v_scale, window)
         return out
 
     assert torch.equal(prompt_rows(0, 300), whole)
