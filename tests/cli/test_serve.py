@@ -153,7 +153,7 @@ def test_the_request_id_middleware_is_replaced_where_there_is_exactly_one():
     from starlette.middleware.base import BaseHTTPMiddleware
 
     from fp8kv.commands.errors import CommandError
-    from fp8kv.commands.serve import _replace_request_id_middleware
+    from fp8kv.commands.serve_http import replace_request_id_middleware
 
     app = FastAPI()
 
@@ -161,11 +161,11 @@ def test_the_request_id_middleware_is_replaced_where_there_is_exactly_one():
     async def request_id_middleware(request, call_next):
         return await call_next(request)
 
-    _replace_request_id_middleware(app)
+    replace_request_id_middleware(app)
     assert [middleware.cls.__name__ for middleware in app.user_middleware] == ["RequestIds"]
     assert not any(middleware.cls is BaseHTTPMiddleware for middleware in app.user_middleware)
     with pytest.raises(CommandError, match="has no one request_id_middleware for fp8kv to replace"):
-        _replace_request_id_middleware(app)
+        replace_request_id_middleware(app)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
