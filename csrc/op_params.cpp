@@ -165,6 +165,16 @@ void check_same_device(const char* op, const char* name, const at::Tensor& t, co
               reference_name, "`, got ", t.device());
 }
 
+// `name` must have the shape, dtype and device of `reference_name`.
+void check_like(const char* op, const char* name, const at::Tensor& t, const char* reference_name,
+                const at::Tensor& reference) {
+  TORCH_CHECK(t.sizes() == reference.sizes(), op, ": `", name, "` must have the shape of `", reference_name, "` ",
+              reference.sizes(), ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == reference.scalar_type(), op, ": `", name, "` must have the dtype of `",
+              reference_name, "` (", reference.scalar_type(), "), got ", t.scalar_type());
+  check_same_device(op, name, t, reference, reference_name);
+}
+
 void check_index_tensor(const char* op, const char* name, const at::Tensor& t, c10::ScalarType dtype) {
   TORCH_CHECK(t.scalar_type() == dtype, op, ": `", name, "` must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 1, op, ": `", name, "` must have rank 1, got shape ", t.sizes());
@@ -245,13 +255,16 @@ CacheView cache_view(const char* op, const char* name, const at::Tensor& cache) 
   return CacheView{cache.data_ptr(), cache.stride(0), cache.stride(1), cache.stride(2)};
 }
 
-void check_cache_pair(const char* op, const at::Tensor& key_cache, const at::Tensor& value_cache) {
-  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), op, ": `value_cache` must have the shape of `key_cache` ",
-              key_cache.sizes(), ", got ", value_cache.sizes());
-  TORCH_CHECK(value_cache.scalar_type() == key_cache.scalar_type(), op,
-              ": `value_cache` must have the dtype of `key_cache` (", key_cache.scalar_type(), "), got ",
-              value_cache.scalar_type());
-  check_same_device(op, "value_cache", value_cache, key_cache, "key_cache");
+// The key and value caches of one layer: alike, on `source`'s device, FP8 or `source`'s dtype. Returns their dtype.
+c10::ScalarType check_cache_pair(const char* op, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                 const char* source_name, const at::Tensor& source) {
+  check_like(op, "value_cache", value_cache, "key_cache", key_cache);
+  check_same_device(op, "key_cache", key_cache, source, source_name);
+  const auto cache_type = key_cache.scalar_type();
+  TORCH_CHECK(is_one_of(kFp8DTypes, cache_type) || cache_type == source.scalar_type(), op, ": `key_cache` must be ",
+              format_list(kFp8DTypes), " or the dtype of `", source_name, "` (", source.scalar_type(), "), got ",
+              cache_type);
+  return cache_type;
 }
 
 // key and value: [num_tokens, num_kv_heads, head_size], same shape, dtype and device.
@@ -264,12 +277,8 @@ void check_key_value(const char* op, const at::Tensor& key, const at::Tensor& va
               "shape ", key.sizes());
   check_int32(op, "key", "num_kv_heads", key.size(1));
   check_int32(op, "key", "head_size", key.size(2));
-  TORCH_CHECK(value.sizes() == key.sizes(), op, ": `value` must have the shape of `key` ", key.sizes(), ", got ",
-              value.sizes());
-  TORCH_CHECK(value.scalar_type() == t, op, ": `value` must have the dtype of `key` (", t, "), got ",
-              value.scalar_type());
+  check_like(op, "value", value, "key", key);
   check_last_dim_contiguous(op, "value", value);
-  check_same_device(op, "value", value, key, "key");
 }
 
 KeyValueInput key_value_input(const at::Tensor& key, const at::Tensor& value) {
@@ -288,11 +297,7 @@ CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& val
   CacheWriteParams p{};
   p.key_cache = cache_view(op, "key_cache", key_cache);
   p.value_cache = cache_view(op, "value_cache", value_cache);
-  check_cache_pair(op, key_cache, value_cache);
-  check_same_device(op, "key_cache", key_cache, key, "key");
-  const auto cache_type = key_cache.scalar_type();
-  TORCH_CHECK(is_one_of(kFp8DTypes, cache_type) || cache_type == key.scalar_type(), op, ": `key_cache` must be ",
-              format_list(kFp8DTypes), " or the dtype of `key` (", key.scalar_type(), "), got ", cache_type);
+  const auto cache_type = check_cache_pair(op, key_cache, value_cache, "key", key);
   TORCH_CHECK(key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2), op,
               ": `key_cache` [num_blocks, block_size, num_kv_heads, head_size] must match `key` [num_tokens, ",
               "num_kv_heads, head_size] in num_kv_heads and head_size, got ", key_cache.sizes(), " and ", key.sizes());
@@ -336,21 +341,13 @@ PagedAttentionOperands paged_attention_params(const at::Tensor& out, const at::T
               "got shape ", query.sizes());
   TORCH_CHECK(query.size(0) <= kMaxInt32 / query.size(1), op, ": `query` has num_query_tokens * num_heads = ",
               query.size(0), " * ", query.size(1), " rows, beyond the int32 limit ", kMaxInt32);
-  TORCH_CHECK(out.sizes() == query.sizes(), op, ": `out` must have the shape of `query` ", query.sizes(), ", got ",
-              out.sizes());
-  TORCH_CHECK(out.scalar_type() == query_type, op, ": `out` must have the dtype of `query` (", query_type, "), got ",
-              out.scalar_type());
+  check_like(op, "out", out, "query", query);
   check_last_dim_contiguous(op, "out", out);
-  check_same_device(op, "out", out, query, "query");
 
   PagedAttentionParams p{};
   p.key_cache = cache_view(op, "key_cache", key_cache);
   p.value_cache = cache_view(op, "value_cache", value_cache);
-  check_cache_pair(op, key_cache, value_cache);
-  check_same_device(op, "key_cache", key_cache, query, "query");
-  const auto cache_type = key_cache.scalar_type();
-  TORCH_CHECK(is_one_of(kFp8DTypes, cache_type) || cache_type == query_type, op, ": `key_cache` must be ",
-              format_list(kFp8DTypes), " or the dtype of `query` (", query_type, "), got ", cache_type);
+  const auto cache_type = check_cache_pair(op, key_cache, value_cache, "query", query);
   TORCH_CHECK(key_cache.size(3) == query.size(2), op, ": `key_cache` head_size (dim 3) must equal `query` head_size ",
               query.size(2), ", got ", key_cache.sizes());
   const int64_t num_kv_heads = key_cache.size(2);
@@ -441,11 +438,7 @@ MergeStatesParams merge_states_params(const at::Tensor& out, const std::optional
               " * ", out_a.size(1), " rows, beyond the int32 limit ", kMaxInt32);
   check_int32(op, "out_a", "head_size", out_a.size(2));
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"out_b", &out_b}, {"out", &out}}) {
-    TORCH_CHECK(t->sizes() == out_a.sizes(), op, ": `", name, "` must have the shape of `out_a` ", out_a.sizes(),
-                ", got ", t->sizes());
-    TORCH_CHECK(t->scalar_type() == dtype, op, ": `", name, "` must have the dtype of `out_a` (", dtype, "), got ",
-                t->scalar_type());
-    check_same_device(op, name, *t, out_a, "out_a");
+    check_like(op, name, *t, "out_a", out_a);
   }
   for (const auto& [name, t] :
        {std::pair<const char*, const at::Tensor*>{"out_a", &out_a}, {"out_b", &out_b}, {"out", &out}}) {
