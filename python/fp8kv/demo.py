@@ -251,8 +251,8 @@ def run_real(demo: RealDemo, device: torch.device, fmt: KVCacheDtype, *,
                               progress))
     print(_memory_section(model, fmt, answers))
     if device.type != "cuda":
-        print("\n4. Decode speed: measured on CUDA only (fp8kv's CPU kernels are reference implementations, as "
-              "fast with either cache).")
+        print("\n4. Decode speed: measured on CUDA only (the speed an FP8 cache buys is the GPU's memory "
+              "bandwidth).")
     elif decode_speed is not None:
         print(_decode_speed_section(model, demo, text_ids, configs, decode_speed, progress))
 
