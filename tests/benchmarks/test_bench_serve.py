@@ -313,6 +313,12 @@ def test_bad_profile_windows_are_refused(argv, named, capsys):
 def test_a_profiled_stream_on_the_gpu_reports_its_steps():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+    from fp8kv.integrations import transformers_continuous_batching as continuous_batching
+
+    try:  # the served rows run on transformers' continuous batching
+        continuous_batching.check_transformers()
+    except continuous_batching.UnsupportedTransformersError as e:
+        pytest.skip(str(e))
     payload = serve.main(["--smoke", "--device", "cuda", "--scenario", serve.NOT_LIMITED, "--no-online",
                           "--no-transformers", "--profile-window", "0-60"])
     for row in rows_of(payload, serve.OFFLINE):

@@ -682,9 +682,10 @@ def test_fp8_math_rows_next_to_the_16_bit_ones(checkpoint, capsys):
                     "--kv-cache-dtype", "e4m3-head", "e5m2-rotated", "--fp8-math", "--device", "cuda",
                     "--no-progress", "--json", str(model_dir.parent / "fp8.json")]) == 0
     caches = {c["name"]: c for c in json.loads((model_dir.parent / "fp8.json").read_text())["caches"]}
-    assert list(caches) == ["auto", "float8_e4m3fn-head", "float8_e4m3fn-head-fp8math", "float8_e5m2-rotated",
-                            "float8_e5m2-rotated-fp8math"]
-    for name in ("float8_e4m3fn-head", "float8_e5m2-rotated"):
+    # e5m2-rotated is the bare format's recipe, named without it.
+    assert list(caches) == ["auto", "float8_e4m3fn-head", "float8_e4m3fn-head-fp8math", "float8_e5m2",
+                            "float8_e5m2-fp8math"]
+    for name in ("float8_e4m3fn-head", "float8_e5m2"):
         sixteen, fp8 = caches[name], caches[f"{name}-fp8math"]
         assert fp8["layer_errors"] != sixteen["layer_errors"] and fp8["kl"] < 10 * sixteen["kl"] + 1e-3
     assert "FP8 math |" in capsys.readouterr().out
