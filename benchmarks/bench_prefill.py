@@ -182,17 +182,21 @@ def make_case(shape: PrefillShape, device: torch.device, seed: int) -> PrefillCa
 
 
 def fp8kv_column(ops, case: PrefillCase, cache: cases.PagedCache, layout: str, decode: bool = False,
-                 fp8_math: bool = False):
-    """fp8kv over an e4m3 cache (the case's, or its rotated copy) in one storage, read with its recipe."""
+                 fp8_math: bool = False, kernel: str = "auto"):
+    """fp8kv over an e4m3 cache (the case's, or its rotated copy) in one storage, read with its recipe,
+    planned once outside the timed call (as FlashInfer's plan is); `kernel` forces a multi-token kernel."""
     key, value = cache.layout(layout)
     query = case.last_rows() if decode else case.query
     cu_seqlens_q = None if decode else case.cu_seqlens_q
     out = torch.full_like(query, float("nan"))
+    plan = ops.plan_paged_attention(key, cache.block_tables, cu_seqlens_q, query.shape[0], query.shape[1],
+                                    fp8_math=fp8_math, kernel="auto" if decode else kernel)
+    workspace = torch.empty(plan[0], dtype=torch.uint8, device=query.device)
 
     def run():
         ops.paged_attention(out, query, key, value, cache.block_tables, cache.seq_lens, cu_seqlens_q,
                             case.softmax_scale, cache.k_scale, cache.v_scale, hadamard=cache.hadamard,
-                            k_offset=cache.k_offset, fp8_math=fp8_math)
+                            k_offset=cache.k_offset, fp8_math=fp8_math, plan=plan, workspace=workspace)
         return out
     return run
 
@@ -230,7 +234,7 @@ def measure_shape(shape: PrefillShape, setup: common.Setup, seed: int) -> dict:
         def build(info):
             if ops is None:
                 raise RuntimeError(ops_reason)
-            return fp8kv_column(ops, case, cache_of(), layout, decode, fp8_math)
+            return fp8kv_column(ops, case, cache_of(), layout, decode, fp8_math, setup.kernel)
         return build
 
     columns = {}
@@ -377,7 +381,8 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     # --quick: these four are already few
-    args, shapes, setup = common.start_run(__doc__.split("\n\n")[0], default_shapes(), default_shapes(), flashinfer=True)
+    args, shapes, setup = common.start_run(__doc__.split("\n\n")[0], default_shapes(), default_shapes(), flashinfer=True,
+                                           kernel_option=True)
     rows = common.measure_rows(shapes, lambda shape, index: measure_shape(shape, setup, seed=100 + index))
     plot = {"metric": "tflops", "ylabel": "attention TFLOP/s (causal, useful FLOPs)", "lines": {},
             "series": [["fp8kv e4m3 (faster storage)", "@fp8kv_best"],

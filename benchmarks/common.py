@@ -450,15 +450,20 @@ class Setup:
     ops_reason: str
     flashinfer: object = None
     flashinfer_reason: str = "not used by this benchmark"
+    kernel: str = "auto"  # the multi-token kernel fp8kv's plans force (--kernel)
 
 
-def start_run(description: str, shapes: list, quick_shapes: list, *, flashinfer: bool = False) -> tuple[argparse.Namespace, list, Setup]:
+def start_run(description: str, shapes: list, quick_shapes: list, *, flashinfer: bool = False,
+              kernel_option: bool = False) -> tuple[argparse.Namespace, list, Setup]:
     """Parses the command line, picks the shapes, loads fp8kv (and FlashInfer) and measures the
     device's ceilings; exits when there is no GPU."""
     parser = argparse.ArgumentParser(description=description)
     add_common_arguments(parser)
     if flashinfer:
         parser.add_argument("--no-flashinfer", action="store_true", help="leave FlashInfer's columns out")
+    if kernel_option:
+        parser.add_argument("--kernel", default="auto", choices=["auto", "sm80", "sm90a", "decode"],
+                            help="the multi-token kernel fp8kv's plans force (default: the planner's choice)")
     args = parser.parse_args()
     shapes = select_shapes(quick_shapes if args.quick else shapes, args.shapes)
     device = cuda_device_or_exit()
@@ -474,7 +479,8 @@ def start_run(description: str, shapes: list, quick_shapes: list, *, flashinfer:
     ceilings = measure_ceilings(device, flush).as_dict()
     print(f"device: {torch.cuda.get_device_name(device)}; copy {ceilings['copy_tb_s']:.2f} TB/s (read + write), "
           f"read-only sum {ceilings['read_tb_s']:.2f} TB/s")
-    return args, shapes, Setup(device, flush, ceilings, ops, ops_reason, fi_module, fi_reason)
+    return args, shapes, Setup(device, flush, ceilings, ops, ops_reason, fi_module, fi_reason,
+                               getattr(args, "kernel", "auto"))
 
 
 def measure_rows(shapes: list, measure_row: Callable[[object, int], dict]) -> list[dict]:

@@ -323,6 +323,68 @@ CacheWriteParams cache_write_params(const at::Tensor& key, const at::Tensor& val
   return p;
 }
 
+namespace {
+
+// How a call names the query's sizes in its errors: the operand (`query`) or the plan's arguments.
+struct QuerySizeNames {
+  const char* heads;  // "`query` num_heads" or "`num_heads`"
+  const char* rows;   // "`query`" or "`num_query_tokens`"
+};
+
+// The sizes a paged-attention call is planned from (the cache's geometry and dtype, the block table's
+// shape, decode or multi-token, the query rows and heads, the window, fp8_math), checked and set in p;
+// `reference` is the tensor whose device the index tensors must be on.
+void check_attention_sizes(const char* op, PagedAttentionParams& p, const at::Tensor& key_cache,
+                           c10::ScalarType cache_type, const at::Tensor& block_tables,
+                           const std::optional<at::Tensor>& cu_seqlens_q, int64_t num_query_tokens, int64_t num_heads,
+                           int64_t sliding_window, bool fp8_math, const char* reference_name,
+                           const at::Tensor& reference, const QuerySizeNames& names) {
+  const int64_t num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(num_heads % num_kv_heads == 0, op, ": ", names.heads, " (", num_heads,
+              ") must be a multiple of the cache's num_kv_heads (", num_kv_heads, ")");
+  check_rank(op, "block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]");
+  TORCH_CHECK(block_tables.scalar_type() == c10::ScalarType::Int, op, ": `block_tables` must be int32, got ",
+              block_tables.scalar_type());
+  check_last_dim_contiguous(op, "block_tables", block_tables);
+  check_same_device(op, "block_tables", block_tables, reference, reference_name);
+  const int64_t num_seqs = block_tables.size(0);
+  check_int32(op, "block_tables", "num_seqs", num_seqs);
+  TORCH_CHECK(block_tables.size(1) <= kMaxTokensPerSequence / key_cache.size(1), op,
+              ": `block_tables` rows cover max_blocks_per_seq * block_size = ", block_tables.size(1), " * ",
+              key_cache.size(1), " tokens; at most ", kMaxTokensPerSequence, " tokens per sequence are supported");
+  if (cu_seqlens_q.has_value()) {
+    check_index_tensor(op, "cu_seqlens_q", *cu_seqlens_q, c10::ScalarType::Int);
+    TORCH_CHECK(cu_seqlens_q->size(0) == num_seqs + 1, op, ": `cu_seqlens_q` must have num_seqs + 1 = ",
+                num_seqs + 1, " entries, got ", cu_seqlens_q->size(0));
+    check_same_device(op, "cu_seqlens_q", *cu_seqlens_q, reference, reference_name);
+  } else {
+    TORCH_CHECK(num_query_tokens == num_seqs, op, ": without `cu_seqlens_q` (decode) ", names.rows,
+                " must have one row per sequence: ", num_seqs, " rows, got ", num_query_tokens);
+  }
+  TORCH_CHECK(sliding_window == -1 || (sliding_window > 0 && sliding_window <= kMaxInt32), op,
+              ": `sliding_window` must be -1 (none) or a positive number of tokens up to ", kMaxInt32, ", got ",
+              sliding_window);
+  TORCH_CHECK(!fp8_math || is_one_of(kCudaFp8MathDTypes, cache_type), op, ": `fp8_math` needs a ",
+              format_list(kCudaFp8MathDTypes, " or "), " cache, got `key_cache` ", cache_type);
+
+  p.cache_dtype = to_dtype(cache_type);
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.block_table_stride = block_tables.stride(0);
+  p.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
+  p.cu_seqlens_q = cu_seqlens_q.has_value() ? cu_seqlens_q->data_ptr<int32_t>() : nullptr;
+  p.num_seqs = static_cast<int>(num_seqs);
+  p.num_query_tokens = num_query_tokens;
+  p.num_heads = static_cast<int>(num_heads);
+  p.num_kv_heads = static_cast<int>(num_kv_heads);
+  p.head_size = static_cast<int>(key_cache.size(3));
+  p.block_size = static_cast<int>(key_cache.size(1));
+  p.num_blocks = static_cast<int>(key_cache.size(0));
+  p.sliding_window = static_cast<int>(sliding_window);
+  p.fp8_math = fp8_math;
+}
+
+}  // namespace
+
 PagedAttentionOperands paged_attention_params(const at::Tensor& out, const at::Tensor& query,
                                               const at::Tensor& key_cache, const at::Tensor& value_cache,
                                               const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -350,37 +412,13 @@ PagedAttentionOperands paged_attention_params(const at::Tensor& out, const at::T
   const auto cache_type = check_cache_pair(op, key_cache, value_cache, "query", query);
   TORCH_CHECK(key_cache.size(3) == query.size(2), op, ": `key_cache` head_size (dim 3) must equal `query` head_size ",
               query.size(2), ", got ", key_cache.sizes());
-  const int64_t num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(query.size(1) % num_kv_heads == 0, op, ": `query` num_heads (", query.size(1),
-              ") must be a multiple of the cache's num_kv_heads (", num_kv_heads, ")");
-
-  check_rank(op, "block_tables", block_tables, 2, "[num_seqs, max_blocks_per_seq]");
-  TORCH_CHECK(block_tables.scalar_type() == c10::ScalarType::Int, op, ": `block_tables` must be int32, got ",
-              block_tables.scalar_type());
-  check_last_dim_contiguous(op, "block_tables", block_tables);
-  check_same_device(op, "block_tables", block_tables, query, "query");
-  const int64_t num_seqs = block_tables.size(0);
-  check_int32(op, "block_tables", "num_seqs", num_seqs);
-  TORCH_CHECK(block_tables.size(1) <= kMaxTokensPerSequence / key_cache.size(1), op,
-              ": `block_tables` rows cover max_blocks_per_seq * block_size = ", block_tables.size(1), " * ",
-              key_cache.size(1), " tokens; at most ", kMaxTokensPerSequence, " tokens per sequence are supported");
+  check_attention_sizes(op, p, key_cache, cache_type, block_tables, cu_seqlens_q, query.size(0), query.size(1),
+                        sliding_window, fp8_math, "query", query, {"`query` num_heads", "`query`"});
   check_index_tensor(op, "seq_lens", seq_lens, c10::ScalarType::Int);
-  TORCH_CHECK(seq_lens.size(0) == num_seqs, op, ": `seq_lens` must have num_seqs = ", num_seqs,
+  TORCH_CHECK(seq_lens.size(0) == p.num_seqs, op, ": `seq_lens` must have num_seqs = ", p.num_seqs,
               " entries (rows of `block_tables`), got ", seq_lens.size(0));
   check_same_device(op, "seq_lens", seq_lens, query, "query");
-  if (cu_seqlens_q.has_value()) {
-    check_index_tensor(op, "cu_seqlens_q", *cu_seqlens_q, c10::ScalarType::Int);
-    TORCH_CHECK(cu_seqlens_q->size(0) == num_seqs + 1, op, ": `cu_seqlens_q` must have num_seqs + 1 = ",
-                num_seqs + 1, " entries, got ", cu_seqlens_q->size(0));
-    check_same_device(op, "cu_seqlens_q", *cu_seqlens_q, query, "query");
-  } else {
-    TORCH_CHECK(query.size(0) == num_seqs, op, ": without `cu_seqlens_q` (decode) `query` must have one row per ",
-                "sequence: ", num_seqs, " rows, got ", query.size(0));
-  }
   const float scale32 = positive_float32(op, "softmax_scale", softmax_scale, "");
-  TORCH_CHECK(sliding_window == -1 || (sliding_window > 0 && sliding_window <= kMaxInt32), op,
-              ": `sliding_window` must be -1 (none) or a positive number of tokens up to ", kMaxInt32, ", got ",
-              sliding_window);
   const float cap32 = logits_soft_cap == 0 ? 0.0f : positive_float32(op, "logits_soft_cap", logits_soft_cap, "0 (none) or ");
   if (lse.has_value()) check_lse(op, "lse", *lse, query, "query");
   check_no_overlap(op, {{"out", &out}, {"lse", lse.has_value() ? &*lse : &kNoTensor}},
@@ -399,29 +437,46 @@ PagedAttentionOperands paged_attention_params(const at::Tensor& out, const at::T
   p.query_token_stride = query.stride(0);
   p.query_head_stride = query.stride(1);
   p.query_dtype = to_dtype(query_type);
-  p.cache_dtype = to_dtype(cache_type);
-  p.block_tables = block_tables.data_ptr<int32_t>();
-  p.block_table_stride = block_tables.stride(0);
-  p.max_blocks_per_seq = static_cast<int>(block_tables.size(1));
   p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.cu_seqlens_q = cu_seqlens_q.has_value() ? cu_seqlens_q->data_ptr<int32_t>() : nullptr;
-  p.num_seqs = static_cast<int>(num_seqs);
-  p.num_query_tokens = query.size(0);
-  p.num_heads = static_cast<int>(query.size(1));
-  p.num_kv_heads = static_cast<int>(num_kv_heads);
-  p.head_size = static_cast<int>(query.size(2));
-  p.block_size = static_cast<int>(key_cache.size(1));
-  p.num_blocks = static_cast<int>(key_cache.size(0));
   p.softmax_scale = scale32;
-  p.k_scale = head_scalars(op, "k_scale", k_scale, num_kv_heads, query, "query", Scalars::kScales);
-  p.v_scale = head_scalars(op, "v_scale", v_scale, num_kv_heads, query, "query", Scalars::kScales);
-  p.sliding_window = static_cast<int>(sliding_window);
+  p.k_scale = head_scalars(op, "k_scale", k_scale, p.num_kv_heads, query, "query", Scalars::kScales);
+  p.v_scale = head_scalars(op, "v_scale", v_scale, p.num_kv_heads, query, "query", Scalars::kScales);
   p.logits_soft_cap = cap32;
-  p.transform = cache_transform(op, hadamard, k_offset, cache_type, num_kv_heads, p.head_size, query, "query");
-  TORCH_CHECK(!fp8_math || is_one_of(kCudaFp8MathDTypes, cache_type), op, ": `fp8_math` needs a ",
-              format_list(kCudaFp8MathDTypes, " or "), " cache, got `key_cache` ", cache_type);
-  p.fp8_math = fp8_math;
+  p.transform = cache_transform(op, hadamard, k_offset, cache_type, p.num_kv_heads, p.head_size, query, "query");
   return PagedAttentionOperands{p, lse.has_value() ? rows_view(*lse) : RowsView{}};
+}
+
+PagedAttentionParams plan_params(const at::Tensor& key_cache, const at::Tensor& block_tables,
+                                 const std::optional<at::Tensor>& cu_seqlens_q, int64_t num_query_tokens,
+                                 int64_t num_heads, int64_t sliding_window, bool fp8_math) {
+  constexpr const char* op = "fp8kv.plan_paged_attention";
+  TORCH_CHECK(num_heads > 0, op, ": `num_heads` must be >= 1, got ", num_heads);
+  TORCH_CHECK(num_query_tokens >= 0 && num_query_tokens <= kMaxInt32 / num_heads, op,
+              ": `num_query_tokens` must be >= 0 with num_query_tokens * num_heads within the int32 limit ", kMaxInt32,
+              ", got ", num_query_tokens, " * ", num_heads);
+  PagedAttentionParams p{};
+  p.key_cache = cache_view(op, "key_cache", key_cache);
+  const auto cache_type = key_cache.scalar_type();
+  TORCH_CHECK(is_one_of(kFp8DTypes, cache_type) || is_one_of(kQueryDTypes, cache_type), op, ": `key_cache` must be ",
+              format_list(kFp8DTypes), " or a query dtype (", format_list(kQueryDTypes, " or "), "), got ", cache_type);
+  check_attention_sizes(op, p, key_cache, cache_type, block_tables, cu_seqlens_q, num_query_tokens, num_heads,
+                        sliding_window, fp8_math, "key_cache", key_cache, {"`num_heads`", "`num_query_tokens`"});
+  return p;
+}
+
+void check_plan(const char* op, c10::IntArrayRef plan, const std::vector<int64_t>& expected) {
+  TORCH_CHECK(std::equal(plan.begin(), plan.end(), expected.begin(), expected.end()), op, ": `plan` ", plan, " is not this call's plan ", c10::IntArrayRef(expected),
+              ": it was made for other sizes, another device, `lse`, `fp8_math` or `sliding_window` (plan each step's "
+              "calls with fp8kv.plan_paged_attention for their sizes)");
+}
+
+void* checked_workspace(const char* op, const at::Tensor& workspace, int64_t bytes, const at::Tensor& reference) {
+  check_same_device(op, "workspace", workspace, reference, "query");
+  TORCH_CHECK(workspace.is_contiguous() && workspace.numel() * static_cast<int64_t>(workspace.element_size()) >= bytes,
+              op, ": `workspace` must be a contiguous tensor of at least the plan's ", bytes, " bytes, got ",
+              workspace.numel() * static_cast<int64_t>(workspace.element_size()), " bytes",
+              workspace.is_contiguous() ? "" : " (not contiguous)");
+  return workspace.data_ptr();
 }
 
 MergeStatesParams merge_states_params(const at::Tensor& out, const std::optional<at::Tensor>& lse,

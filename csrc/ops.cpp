@@ -10,7 +10,13 @@ TORCH_LIBRARY(fp8kv, m) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor? cu_seqlens_q, float softmax_scale, "
       "Tensor k_scale, Tensor v_scale, int sliding_window=-1, float logits_soft_cap=0.0, bool hadamard=False, "
-      "Tensor? k_offset=None, bool fp8_math=False, Tensor(b!)? lse=None) -> ()");
+      "Tensor? k_offset=None, bool fp8_math=False, Tensor(b!)? lse=None, int[]? plan=None, "
+      "Tensor(c!)? workspace=None) -> ()");
+  // How paged_attention runs calls of these sizes (kernel, splits, workspace bytes), from sizes only:
+  // made once per step and given to every layer's call with a workspace of its size.
+  m.def(
+      "plan_paged_attention(Tensor key_cache, Tensor block_tables, Tensor? cu_seqlens_q, int num_query_tokens, "
+      "int num_heads, int sliding_window=-1, bool fp8_math=False, bool lse=False, str kernel=\"auto\") -> int[]");
   m.def(
       "merge_attention_states(Tensor(a!) out, Tensor(b!)? lse, Tensor out_a, Tensor lse_a, Tensor out_b, "
       "Tensor lse_b) -> ()");

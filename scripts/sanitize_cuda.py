@@ -7,14 +7,13 @@ Covers cache write (vectorized and scalar paths, skipped slots; the rotated reci
 paged attention (the rotated recipe with K offsets too) for
 every cache format and head size, decode, verification (on the decode kernel, and forced onto the
 sm80 multi-token kernel's deep staging) and prefill, split-KV with its merge, persistent decode CTAs taking several work items, sliding window, soft cap, HND layout, partial last pages and block-table entries that are never read (-1).
-On compute capability 9.0, the warpgroup-MMA multi-token kernel also runs short queries (forced with
-FP8KV_MULTI_TOKEN_KERNEL=sm90a), whose CTAs are mostly padding rows, and 130-token chunks over 2000
+On compute capability 9.0, the warpgroup-MMA multi-token kernel also runs short queries (forced by
+a plan's `kernel`), whose CTAs are mostly padding rows, and 130-token chunks over 2000
 cached tokens (many tiles per CTA, split-KV).
 """
 
 import argparse
 import itertools
-import os
 
 import torch
 
@@ -26,9 +25,10 @@ FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, None] 
 
 
 def attention_case(head_size, block_size, group, cache_dtype, queries, hnd, window, cap, long, num_seqs=3,
-                   rotated=False, fp8_math=False):
+                   rotated=False, fp8_math=False, kernel="auto"):
     """queries: 'decode' (one per sequence), 'verify' (1, 2 and 4 draft tokens) or 'prefill' (3
-    sequences); more sequences repeat the three lengths and query lengths."""
+    sequences); more sequences repeat the three lengths and query lengths. kernel: the multi-token
+    kernel the call's plan forces ("auto": the call plans itself)."""
     device = "cuda"
     num_kv_heads = 2
     query_dtype = torch.bfloat16
@@ -58,8 +58,14 @@ def attention_case(head_size, block_size, group, cache_dtype, queries, hnd, wind
     out = torch.empty_like(query)
     scale = torch.full((num_kv_heads,), 0.02, device=device)
     k_offset = torch.randn(num_kv_heads, head_size, device=device) if rotated else None
-    ops.paged_attention(out, query, key_cache, value_cache, table.to(device), lens.int().to(device), cu,
-                        head_size ** -0.5, scale, scale, window, cap, rotated, k_offset, fp8_math)
+    table = table.to(device)
+    planned = {}
+    if kernel != "auto":
+        values = ops.plan_paged_attention(key_cache, table, cu, num_tokens, query.shape[1], window, fp8_math, False,
+                                          kernel)
+        planned = {"plan": values, "workspace": torch.empty(values[0], dtype=torch.uint8, device=device)}
+    ops.paged_attention(out, query, key_cache, value_cache, table, lens.int().to(device), cu,
+                        head_size ** -0.5, scale, scale, window, cap, rotated, k_offset, fp8_math, **planned)
 
 
 def cache_write_case(src_dtype, cache_dtype, head_size, strided, rotated=False):
@@ -86,12 +92,9 @@ def fp8_math_cases() -> int:
     for i, (head, cache, queries) in enumerate(itertools.product(supported_values("cuda_sm90a_fp8_math_head_sizes"),
                                                                  [torch.float8_e4m3fn, torch.float8_e5m2],
                                                                  ["prefill", "verify"])):
-        if queries == "verify":
-            os.environ["FP8KV_MULTI_TOKEN_KERNEL"] = "sm90a"
         attention_case(head, [16, 32][i % 2], [1, 4, 8][i % 3], cache, queries, hnd=i % 2 == 1,
                        window=50 if i % 4 == 1 else -1, cap=20.0 if i % 3 == 0 else 0.0, long=True,
-                       rotated=i % 2 == 0, fp8_math=True)
-        os.environ.pop("FP8KV_MULTI_TOKEN_KERNEL", None)
+                       rotated=i % 2 == 0, fp8_math=True, kernel="sm90a" if queries == "verify" else "auto")
         count += 1
     return count
 
@@ -135,23 +138,20 @@ def main():
                            hnd=j == 1, window=-1, cap=20.0 if j != 2 else 0.0, long=j == 0, rotated=True)
             count += 1
     if torch.cuda.get_device_capability() == supported_values("cuda_sm90a_capability"):
-        os.environ["FP8KV_MULTI_TOKEN_KERNEL"] = "sm90a"
         sm90a_heads = supported_values("cuda_sm90a_head_sizes")
         for head, cache, queries in itertools.product(sm90a_heads[-1:] if args.small else sm90a_heads,
                                                       [torch.float8_e4m3fn, None], ["verify", "prefill"]):
             attention_case(head, 16, 4, cache, queries, hnd=cache is None, window=50 if cache is None else -1,
-                           cap=0.0 if cache is None else 20.0, long=True, rotated=cache is not None)
+                           cap=0.0 if cache is None else 20.0, long=True, rotated=cache is not None, kernel="sm90a")
             count += 1
-        del os.environ["FP8KV_MULTI_TOKEN_KERNEL"]
     # Short queries run on the decode kernel: the sm80 kernel's deep staging (forced), and the decode
     # kernel's multi-token items with groups of two column tiles and more, and with many sequences.
     for kernel, group, num_seqs in (("sm80", 4, 3), ("decode", 8, 3), ("decode", 16, 3), ("decode", 4, 700)):
-        os.environ["FP8KV_MULTI_TOKEN_KERNEL"] = kernel
         for head in heads[-2:]:
             attention_case(head, 16, group, torch.float8_e4m3fn, "verify", hnd=group == 8, window=50 if group == 16 else -1,
-                           cap=20.0 if group == 8 else 0.0, long=num_seqs == 3, num_seqs=num_seqs, rotated=group == 16)
+                           cap=20.0 if group == 8 else 0.0, long=num_seqs == 3, num_seqs=num_seqs, rotated=group == 16,
+                           kernel=kernel)
             count += 1
-    del os.environ["FP8KV_MULTI_TOKEN_KERNEL"]
     for head in heads:  # decode with far more work items than resident CTAs: each CTA takes several
         attention_case(head, 16, 4, torch.float8_e4m3fn, "decode", hnd=False, window=-1, cap=0.0, long=False,
                        num_seqs=700)

@@ -22,6 +22,23 @@ import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
 
 FLOAT32_UNIT_ROUNDOFF = 2.0**-24
 
+# The CUDA multi-token kernel the tests' calls force through a plan (plan_paged_attention's
+# `kernel`): "auto" leaves the choice to the planner and the calls plan themselves. Fixtures set it
+# with monkeypatch.setattr(reference, "FORCED_KERNEL", name).
+FORCED_KERNEL = "auto"
+
+
+def forced_plan(query: torch.Tensor, key_cache: torch.Tensor, block_tables: torch.Tensor,
+                cu_seqlens_q: torch.Tensor | None, sliding_window: int = -1, fp8_math: bool = False,
+                lse: bool = False) -> dict:
+    """The `plan` and `workspace` arguments of a multi-token call under FORCED_KERNEL; none for
+    "auto" and for decode calls (which run the decode kernel)."""
+    if FORCED_KERNEL == "auto" or cu_seqlens_q is None:
+        return {}
+    values = torch.ops.fp8kv.plan_paged_attention(key_cache, block_tables, cu_seqlens_q, query.shape[0],
+                                                  query.shape[1], sliding_window, fp8_math, lse, FORCED_KERNEL)
+    return {"plan": values, "workspace": torch.empty(values[0], dtype=torch.uint8, device=query.device)}
+
 
 # ----------------------------------------------------------------------------------------------
 # FP8 formats
@@ -488,8 +505,13 @@ class PagedAttentionInputs:
         out.fill_(math.nan)
         torch.ops.fp8kv.paged_attention(out, self.query, self.key_cache, self.value_cache, self.block_tables,
                                   self.seq_lens, self.cu_seqlens_q, self.softmax_scale, self.k_scale,
-                                  self.v_scale, self.sliding_window, self.logits_soft_cap, fp8_math=self.fp8_math)
+                                  self.v_scale, self.sliding_window, self.logits_soft_cap, fp8_math=self.fp8_math,
+                                  **self.forced_plan())
         return out
+
+    def forced_plan(self, lse: bool = False) -> dict:
+        return forced_plan(self.query, self.key_cache, self.block_tables, self.cu_seqlens_q, self.sliding_window,
+                           self.fp8_math, lse)
 
     def reference(self) -> AttentionReference:
         """The float64 attention and a correct kernel's bound: its fp32 arithmetic, its 16-bit operands

@@ -94,7 +94,8 @@ class RotatedInputs(PagedAttentionInputs):
         out = torch.full_like(self.query, math.nan)
         torch.ops.fp8kv.paged_attention(out, self.query, self.key_cache, self.value_cache, self.block_tables,
                                   self.seq_lens, self.cu_seqlens_q, self.softmax_scale, self.k_scale, self.v_scale,
-                                  self.sliding_window, self.logits_soft_cap, True, self.k_offset, self.fp8_math)
+                                  self.sliding_window, self.logits_soft_cap, True, self.k_offset, self.fp8_math,
+                                  **self.forced_plan())
         return out
 
     def reference(self) -> AttentionReference:

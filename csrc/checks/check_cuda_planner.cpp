@@ -163,27 +163,35 @@ void check_multi_token_routes() {
       {"short rows, 1025 sequences", queries(1025, 1025, 32, 8, 128), AttentionKernel::kMultiTokenSm80, 0, 0, 0},
   };
   for (const Route& r : routes) {
-    const AttentionKernel kernel = attention_kernel(r.call, MultiTokenRequest::kAuto, kH100);
+    const AttentionKernel kernel = attention_kernel(r.call, MultiTokenRequest::kAuto, kH100, true);
     expect(kernel == r.kernel, std::string(r.shape) + ": kernel " + std::to_string(static_cast<int>(kernel)));
     if (kernel != AttentionKernel::kDecode) continue;
     expect(decode_column_tiles(r.call) == r.column_tiles, std::string(r.shape) + ": column tiles");
     expect(decode_row_chunks(r.call) == r.row_chunks, std::string(r.shape) + ": row chunks");
     expect(decode_row_chunk_bound(r.call) == r.bound, std::string(r.shape) + ": row chunk bound");
   }
-  expect(attention_kernel(routes[1].call, MultiTokenRequest::kSm80, kH100) == AttentionKernel::kMultiTokenSm80,
+  expect(attention_kernel(routes[1].call, MultiTokenRequest::kSm80, kH100, true) == AttentionKernel::kMultiTokenSm80,
          "a named kernel runs");
-  expect(attention_kernel(routes[2].call, MultiTokenRequest::kDecode, kH100) == AttentionKernel::kDecode,
+  expect(attention_kernel(routes[2].call, MultiTokenRequest::kDecode, kH100, true) == AttentionKernel::kDecode,
          "the decode kernel when named");
-  // fp8_math (paged_attention_unsupported has checked that its kernel runs): the FP8-math kernel wherever
+  // Short queries whose decode staging does not fit the device: a multi-token kernel (FP8 math's with fp8_math).
+  expect(attention_kernel(routes[0].call, MultiTokenRequest::kAuto, kH100, false) == AttentionKernel::kMultiTokenSm80,
+         "short queries without room for the decode kernel");
+  PagedAttentionParams fp8_math_call = routes[0].call;
+  fp8_math_call.fp8_math = true;
+  expect(attention_kernel(fp8_math_call, MultiTokenRequest::kAuto, kH100, false) ==
+             AttentionKernel::kMultiTokenSm90aFp8Math,
+         "short fp8_math queries without room for the decode kernel");
+  // fp8_math (plan_unsupported has checked that its kernel runs): the FP8-math kernel wherever
   // a multi-token kernel runs, the decode kernel's calls unchanged (16-bit math, bound by memory).
   for (const Route& r : routes) {
     PagedAttentionParams call = r.call;
     call.fp8_math = true;
-    const AttentionKernel kernel = attention_kernel(call, MultiTokenRequest::kAuto, kH100);
+    const AttentionKernel kernel = attention_kernel(call, MultiTokenRequest::kAuto, kH100, true);
     expect(kernel == (r.kernel == AttentionKernel::kDecode ? AttentionKernel::kDecode
                                                            : AttentionKernel::kMultiTokenSm90aFp8Math),
            std::string(r.shape) + ", fp8_math: kernel " + std::to_string(static_cast<int>(kernel)));
-    expect(attention_kernel(call, MultiTokenRequest::kSm90a, kH100) == AttentionKernel::kMultiTokenSm90aFp8Math,
+    expect(attention_kernel(call, MultiTokenRequest::kSm90a, kH100, true) == AttentionKernel::kMultiTokenSm90aFp8Math,
            std::string(r.shape) + ", fp8_math: the sm90a kernel when named");
   }
 }

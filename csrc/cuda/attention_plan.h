@@ -15,6 +15,7 @@ enum class AttentionKernel {
 
 struct AttentionPlan {
   int64_t workspace_bytes;  // the splits' partial results (0 with one split), then decode's work-queue counter
+  int request;              // the kernel the caller forced (heuristics.h's MultiTokenRequest), 0: none
   AttentionKernel kernel;
   int num_splits;     // context splits (flash-decoding); 1 writes `out` directly
   int split_tokens;   // context positions per split, a multiple of the kernel's tile group

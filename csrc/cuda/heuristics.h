@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 
 #include "../gpu/kernels.h"
@@ -25,18 +24,10 @@ struct DeviceFacts {
 
 // ---- which kernel, which staging ------------------------------------------------------------
 
-// The multi-token kernel FP8KV_MULTI_TOKEN_KERNEL names: none (the planner's choice), one of the three,
-// or one this backend does not have.
-enum class MultiTokenRequest { kAuto, kSm80, kSm90a, kDecode, kUnknown };
-
-inline MultiTokenRequest multi_token_request() {
-  const char* name = gpu::requested_multi_token_kernel();
-  if (name == nullptr) return MultiTokenRequest::kAuto;
-  if (std::strcmp(name, "sm80") == 0) return MultiTokenRequest::kSm80;
-  if (std::strcmp(name, "sm90a") == 0) return MultiTokenRequest::kSm90a;
-  if (std::strcmp(name, "decode") == 0) return MultiTokenRequest::kDecode;
-  return MultiTokenRequest::kUnknown;
-}
+// The kernel a plan forces (kernel_request's codes, the names "auto", "sm80", "sm90a", "decode"): none
+// (the planner's choice) or one of the three that run multi-token queries.
+enum class MultiTokenRequest { kAuto, kSm80, kSm90a, kDecode };
+inline constexpr const char* kMultiTokenRequestNames[] = {"auto", "sm80", "sm90a", "decode"};
 
 // The sm_90a multi-token kernel runs head_size on the device: one of its head sizes, the compute
 // capability its code is for, and a build with that code.
@@ -78,27 +69,29 @@ inline AttentionKernel multi_token_kernel(const PagedAttentionParams& p, const D
   return sm90a_kernel_runs(p.head_size, device) ? AttentionKernel::kMultiTokenSm90a : AttentionKernel::kMultiTokenSm80;
 }
 
-// The kernel for p. `request` has been checked (paged_attention_unsupported): a kernel it names
-// runs p. Short queries (verification, decode-heavy batches) are bound by memory: they go to the
-// decode kernel, whose items then take all of a sequence's draft rows (up to 16 at head size
+// The kernel for p: the one `request` names (checked by plan_unsupported: it runs p), else the
+// planner's choice. Short queries (verification, decode-heavy batches) are bound by memory: they go to
+// the decode kernel, whose items then take all of a sequence's draft rows (up to 16 at head size
 // <= 128), so each page is streamed once at the decode kernel's bandwidth (cuda_prefill_design.md,
 // "Short queries on the decode kernel"); it keeps 16-bit math, fp8_math or not (FP8 math would cost
-// accuracy and save no time there).
+// accuracy and save no time there). `decode_fits`: the decode kernel's staging for p fits the
+// device's shared memory (not so at head size 192 with 16-bit caches on GPUs of 99 KiB per CTA);
+// where it does not, short queries take a multi-token kernel.
 inline AttentionKernel attention_kernel(const PagedAttentionParams& p, MultiTokenRequest request,
-                                        const DeviceFacts& device) {
+                                        const DeviceFacts& device, bool decode_fits) {
   if (p.cu_seqlens_q == nullptr) return AttentionKernel::kDecode;
   switch (request) {
     case MultiTokenRequest::kSm80: return AttentionKernel::kMultiTokenSm80;
     case MultiTokenRequest::kSm90a:
       return p.fp8_math ? AttentionKernel::kMultiTokenSm90aFp8Math : AttentionKernel::kMultiTokenSm90a;
     case MultiTokenRequest::kDecode: return AttentionKernel::kDecode;
-    default:
-      // Short queries of more sequences than the decode kernel takes: a multi-token kernel (the sm80
-      // one shares their few rows among its warps).
-      if (short_queries(p) && decode_takes_queries(p)) return AttentionKernel::kDecode;
-      if (short_queries(p) && !p.fp8_math) return AttentionKernel::kMultiTokenSm80;
-      return multi_token_kernel(p, device);
+    case MultiTokenRequest::kAuto: break;
   }
+  // Short queries of more sequences than the decode kernel takes: a multi-token kernel (the sm80 one
+  // shares their few rows among its warps).
+  if (short_queries(p) && decode_takes_queries(p) && decode_fits) return AttentionKernel::kDecode;
+  if (short_queries(p) && !p.fp8_math) return AttentionKernel::kMultiTokenSm80;
+  return multi_token_kernel(p, device);
 }
 
 // ---- how many splits ------------------------------------------------------------------------

@@ -1,11 +1,14 @@
 // CUDA paged attention, host side: what the kernels support, the plan (heuristics.h's answers for the
 // current device and the kernels' occupancy), workspace carving and dispatch to the per-format kernels.
 #include <cstdint>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "heuristics.h"
 #include "launch.h"
@@ -31,16 +34,25 @@ bool pairs_aligned(const void* data, int64_t token_stride, int64_t head_stride) 
   return reinterpret_cast<uintptr_t>(data) % 4 == 0 && token_stride % 2 == 0 && head_stride % 2 == 0;
 }
 
-// The current device's facts; false on error.
-bool current_device(DeviceFacts* device) {
+// The current device's facts, read once per device (nullptr on error).
+const DeviceFacts* current_device() {
+  constexpr int kMaxDevices = 64;
+  static std::once_flag read[kMaxDevices];
+  static DeviceFacts facts[kMaxDevices];
+  static bool valid[kMaxDevices];
   int id = 0;
-  return cudaGetDevice(&id) == cudaSuccess &&
-         cudaDeviceGetAttribute(&device->multiprocessors, cudaDevAttrMultiProcessorCount, id) == cudaSuccess &&
-         cudaDeviceGetAttribute(&device->major, cudaDevAttrComputeCapabilityMajor, id) == cudaSuccess &&
-         cudaDeviceGetAttribute(&device->minor, cudaDevAttrComputeCapabilityMinor, id) == cudaSuccess;
+  if (cudaGetDevice(&id) != cudaSuccess || id < 0 || id >= kMaxDevices) return nullptr;
+  std::call_once(read[id], [id] {
+    DeviceFacts& device = facts[id];
+    valid[id] = cudaDeviceGetAttribute(&device.multiprocessors, cudaDevAttrMultiProcessorCount, id) == cudaSuccess &&
+                cudaDeviceGetAttribute(&device.major, cudaDevAttrComputeCapabilityMajor, id) == cudaSuccess &&
+                cudaDeviceGetAttribute(&device.minor, cudaDevAttrComputeCapabilityMinor, id) == cudaSuccess;
+  });
+  return valid[id] ? &facts[id] : nullptr;
 }
 
 cudaError_t plan_decode(const PagedAttentionParams& p, bool lse, const DeviceFacts& device, AttentionPlan& plan) {
+  plan.kernel = AttentionKernel::kDecode;
   plan.column_tiles = decode_column_tiles(p);
   plan.row_chunks = decode_row_chunk_bound(p);
   plan.sequence_table_bytes = p.cu_seqlens_q == nullptr ? 0 : decode::sequence_table_bytes(p.num_seqs);
@@ -109,7 +121,21 @@ namespace fp8kv::gpu {
 
 using namespace cuda;  // the backend's pieces
 
-std::string paged_attention_unsupported(const PagedAttentionParams& p) {
+std::string kernel_request(const std::string& name, int* request) {
+  const std::string chosen = name.empty() ? "auto" : name;
+  for (int code = 0; code < static_cast<int>(std::size(kMultiTokenRequestNames)); ++code) {
+    if (chosen == kMultiTokenRequestNames[code]) {
+      *request = code;
+      return "";
+    }
+  }
+  return "`kernel` must be \"auto\", \"sm80\", \"sm90a\" or \"decode\" on CUDA, got \"" + name + "\"";
+}
+
+std::string plan_unsupported(const PagedAttentionParams& p, int request) {
+  if (request < 0 || request >= static_cast<int>(std::size(kMultiTokenRequestNames))) {
+    return "`plan` names no kernel of this backend: make it with fp8kv.plan_paged_attention";
+  }
   // The split planner sizes splits from the table's capacity, which must not be 0.
   if (p.max_blocks_per_seq < 1) return "`block_tables` must have at least one column, got 0";
   if (!contains(kCudaHeadSizes, p.head_size)) {
@@ -125,6 +151,50 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
            ") must be at most " + std::to_string(max_context(p.block_size)) + " for block_size " +
            std::to_string(p.block_size);
   }
+  const std::string forced = std::string("`kernel`=\"") + kMultiTokenRequestNames[request] + "\"";
+  switch (static_cast<MultiTokenRequest>(request)) {
+    case MultiTokenRequest::kAuto: break;
+    case MultiTokenRequest::kDecode:
+      if (p.cu_seqlens_q != nullptr && !decode_takes_queries(p)) {
+        return forced + " takes at most " + std::to_string(decode::kMaxTableSeqs) +
+               " sequences and num_query_tokens * num_heads below 2^31, got " + std::to_string(p.num_seqs) +
+               " sequences and " + std::to_string(p.num_query_tokens * p.num_heads);
+      }
+      if (p.fp8_math) return forced + " names a kernel without FP8 math: plan with \"auto\" or \"sm90a\" to run `fp8_math`";
+      break;
+    case MultiTokenRequest::kSm80:
+    case MultiTokenRequest::kSm90a: {
+      if (p.cu_seqlens_q == nullptr) {
+        return forced + " runs multi-token queries; a decode call (no `cu_seqlens_q`) runs the decode kernel";
+      }
+      if (p.fp8_math && request == static_cast<int>(MultiTokenRequest::kSm80)) {
+        return forced + " names a kernel without FP8 math: plan with \"auto\" or \"sm90a\" to run `fp8_math`";
+      }
+      const DeviceFacts* device = current_device();
+      if (request == static_cast<int>(MultiTokenRequest::kSm90a) && !(device && sm90a_kernel_runs(p.head_size, *device))) {
+        return forced + " needs fp8kv built with sm_90a code, a compute capability " +
+               std::to_string(kCudaSm90aCapability[0]) + "." + std::to_string(kCudaSm90aCapability[1]) +
+               " device and head_size one of " + format_list(kCudaSm90aHeadSizes) + " (got " +
+               std::to_string(p.head_size) + ")";
+      }
+      break;
+    }
+  }
+  if (p.fp8_math) {
+    const DeviceFacts* device = current_device();
+    if (!(device && sm90a_fp8_math_runs(p, *device))) {
+      return "`fp8_math` needs fp8kv built with sm_90a code, a compute capability " +
+             std::to_string(kCudaSm90aCapability[0]) + "." + std::to_string(kCudaSm90aCapability[1]) +
+             " device and head_size one of " + format_list(kCudaSm90aFp8MathHeadSizes) + " (got " +
+             std::to_string(p.head_size) + ")";
+    }
+  }
+  return "";
+}
+
+std::string paged_attention_unsupported(const PagedAttentionParams& p, int request) {
+  const std::string unplanned = plan_unsupported(p, request);
+  if (!unplanned.empty()) return unplanned;
   const int64_t cache_bytes = dtype_bytes(p.cache_dtype);
   for (const auto& [name, cache] : {std::pair{"key_cache", p.key_cache}, std::pair{"value_cache", p.value_cache}}) {
     if (!cache_staging_safe(cache, cache_bytes)) {
@@ -136,62 +206,38 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
     return "`query` rows must start on 4-byte boundaries";
   }
   if (!pairs_aligned(p.out, p.out_token_stride, p.out_head_stride)) return "`out` rows must start on 4-byte boundaries";
-  if (p.cu_seqlens_q != nullptr) {
-    const MultiTokenRequest request = multi_token_request();
-    if (request == MultiTokenRequest::kUnknown) {
-      return std::string("environment variable ") + kMultiTokenKernelVariable +
-             " must be unset, empty, \"auto\", \"sm80\", \"sm90a\" or \"decode\", got \"" +
-             requested_multi_token_kernel() + "\"";
-    }
-    if (request == MultiTokenRequest::kDecode && !decode_takes_queries(p)) {
-      return std::string(kMultiTokenKernelVariable) + "=decode takes at most " +
-             std::to_string(decode::kMaxTableSeqs) + " sequences and num_query_tokens * num_heads below 2^31, got " +
-             std::to_string(p.num_seqs) + " sequences and " + std::to_string(p.num_query_tokens * p.num_heads);
-    }
-    if (p.fp8_math && (request == MultiTokenRequest::kSm80 || request == MultiTokenRequest::kDecode)) {
-      return std::string(kMultiTokenKernelVariable) + "=" + requested_multi_token_kernel() +
-             " names a kernel without FP8 math: unset it (or name sm90a) to run `fp8_math`";
-    }
-    DeviceFacts device{};
-    if (request == MultiTokenRequest::kSm90a && !(current_device(&device) && sm90a_kernel_runs(p.head_size, device))) {
-      return std::string(kMultiTokenKernelVariable) + "=sm90a needs fp8kv built with sm_90a code, a compute "
-             "capability " + std::to_string(kCudaSm90aCapability[0]) + "." + std::to_string(kCudaSm90aCapability[1]) +
-             " device and head_size one of " + format_list(kCudaSm90aHeadSizes) + " (got " +
-             std::to_string(p.head_size) + ")";
-    }
-  }
-  if (p.fp8_math) {
-    DeviceFacts device{};
-    if (!(current_device(&device) && sm90a_fp8_math_runs(p, device))) {
-      return "`fp8_math` needs fp8kv built with sm_90a code, a compute capability " +
-             std::to_string(kCudaSm90aCapability[0]) + "." + std::to_string(kCudaSm90aCapability[1]) +
-             " device and head_size one of " + format_list(kCudaSm90aFp8MathHeadSizes) + " (got " +
-             std::to_string(p.head_size) + ")";
-    }
-  }
   return "";
 }
 
-cudaError_t plan_paged_attention(const PagedAttentionParams& p, bool lse, AttentionPlan* plan) {
+cudaError_t plan_paged_attention(const PagedAttentionParams& p, bool lse, int request, AttentionPlan* plan) {
   *plan = AttentionPlan{};
   plan->num_splits = 1;
+  plan->request = request;
   if (nothing_to_do(p)) return cudaSuccess;
-  DeviceFacts device{};
-  if (!current_device(&device)) return cudaErrorInvalidConfiguration;
-  const MultiTokenRequest request = multi_token_request();
-  plan->kernel = attention_kernel(p, request, device);
-  cudaError_t status =
-      plan->kernel == AttentionKernel::kDecode ? plan_decode(p, lse, device, *plan) : plan_multi_token(p, lse, device, *plan);
-  if (status == cudaErrorInvalidConfiguration && plan->kernel == AttentionKernel::kDecode &&
-      p.cu_seqlens_q != nullptr && request == MultiTokenRequest::kAuto) {
-    // Short queries the decode kernel cannot take on this device (its staging does not fit the shared
-    // memory, as at head size 192 with 16-bit caches on GPUs of 99 KiB per CTA): a multi-token kernel.
-    *plan = AttentionPlan{};
-    plan->kernel = p.fp8_math ? AttentionKernel::kMultiTokenSm90aFp8Math : AttentionKernel::kMultiTokenSm80;
-    status = plan_multi_token(p, lse, device, *plan);
+  const DeviceFacts* device = current_device();
+  if (device == nullptr) return cudaErrorInvalidConfiguration;
+  const auto forced = static_cast<MultiTokenRequest>(request);
+  // The decode kernel's plan where it may take p: whether its staging fits is part of the choice.
+  AttentionPlan decode = *plan;
+  const bool decode_may_run = p.cu_seqlens_q == nullptr || forced == MultiTokenRequest::kDecode ||
+                              (forced == MultiTokenRequest::kAuto && short_queries(p) && decode_takes_queries(p));
+  const cudaError_t decode_status = decode_may_run ? plan_decode(p, lse, *device, decode) : cudaErrorInvalidConfiguration;
+  const AttentionKernel kernel = attention_kernel(p, forced, *device, decode_status == cudaSuccess);
+  cudaError_t status = decode_status;
+  if (kernel == AttentionKernel::kDecode) {
+    *plan = decode;
+  } else {
+    plan->kernel = kernel;
+    status = plan_multi_token(p, lse, *device, *plan);
   }
   plan->workspace_bytes = partials_bytes(p, *plan) + (plan->kernel == AttentionKernel::kDecode ? sizeof(int) : 0);
   return status;
+}
+
+std::vector<int64_t> plan_values(const AttentionPlan& plan) {
+  return {plan.workspace_bytes, plan.request, static_cast<int64_t>(plan.kernel), plan.num_splits, plan.split_tokens,
+          plan.deep_staging, plan.row_chunks, plan.column_tiles, plan.sequence_table_bytes, plan.ctas,
+          plan.query_tiles};
 }
 
 cudaError_t paged_attention(const PagedAttentionParams& p, const RowsView& lse, const AttentionPlan& plan,

@@ -11,6 +11,10 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
+#include <limits>
+#include <string>
+#include <vector>
+
 #include "../index_checks.h"
 #include "../op_params.h"
 #include "kernels.h"
@@ -37,28 +41,66 @@ void reshape_and_cache_gpu(const at::Tensor& key, const at::Tensor& value, at::T
   check_launch("fp8kv.reshape_and_cache", gpu::reshape_and_cache(p, current_stream(key.device())));
 }
 
+// The request a planned call's `plan` carries (its second value), -1 where it carries none.
+int planned_request(at::OptionalIntArrayRef plan) {
+  if (!plan.has_value()) return 0;
+  if (plan->size() < 2 || (*plan)[1] < 0 || (*plan)[1] > std::numeric_limits<int>::max()) return -1;
+  return static_cast<int>((*plan)[1]);
+}
+
+std::vector<int64_t> plan_paged_attention_gpu(const at::Tensor& key_cache, const at::Tensor& block_tables,
+                                              const std::optional<at::Tensor>& cu_seqlens_q, int64_t num_query_tokens,
+                                              int64_t num_heads, int64_t sliding_window, bool fp8_math, bool lse,
+                                              c10::string_view kernel) {
+  constexpr const char* op = "fp8kv.plan_paged_attention";
+  const PagedAttentionParams p =
+      plan_params(key_cache, block_tables, cu_seqlens_q, num_query_tokens, num_heads, sliding_window, fp8_math);
+  int request = 0;
+  const std::string unknown = gpu::kernel_request(std::string(kernel), &request);
+  TORCH_CHECK(unknown.empty(), op, ": ", unknown);
+  const std::string unsupported = gpu::plan_unsupported(p, request);
+  TORCH_CHECK(unsupported.empty(), op, ": on ", gpu::kBackend, ", ", unsupported);
+  const c10::DeviceGuard guard(key_cache.device());
+  gpu::AttentionPlan plan{};
+  check_launch(op, gpu::plan_paged_attention(p, lse, request, &plan));
+  return gpu::plan_values(plan);
+}
+
 void paged_attention_gpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                          const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
                          const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
                          double logits_soft_cap, bool hadamard, const std::optional<at::Tensor>& k_offset,
-                         bool fp8_math, const std::optional<at::Tensor>& lse) {
+                         bool fp8_math, const std::optional<at::Tensor>& lse, at::OptionalIntArrayRef plan,
+                         const std::optional<at::Tensor>& workspace) {
   constexpr const char* op = "fp8kv.paged_attention";
   const PagedAttentionOperands operands = paged_attention_params(
       out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale, k_scale, v_scale,
       sliding_window, logits_soft_cap, hadamard, k_offset, fp8_math, lse);
   const PagedAttentionParams& p = operands.params;
-  const std::string unsupported = gpu::paged_attention_unsupported(p);
+  const int request = planned_request(plan);
+  TORCH_CHECK(request >= 0, op, ": `plan` must be fp8kv.plan_paged_attention's answer, got ", *plan);
+  const std::string unsupported = gpu::paged_attention_unsupported(p, request);
   TORCH_CHECK(unsupported.empty(), op, ": on ", gpu::kBackend, ", ", unsupported);
   if (debug_checks_enabled()) {
     check_paged_attention_indices(block_tables, seq_lens, cu_seqlens_q, query.size(0), key_cache.size(1),
                                   key_cache.size(0), sliding_window);
   }
   const c10::DeviceGuard guard(query.device());
-  gpu::AttentionPlan plan{};
-  check_launch(op, gpu::plan_paged_attention(p, lse.has_value(), &plan));
-  const at::Tensor workspace = at::empty({plan.workspace_bytes}, query.options().dtype(at::kByte));
-  check_launch(op, gpu::paged_attention(p, operands.lse, plan, workspace.data_ptr(), current_stream(query.device())));
+  // A given plan is checked against this call's own (host arithmetic on cached device facts): a plan
+  // made for other sizes would size the grid and the workspace wrongly.
+  gpu::AttentionPlan planned{};
+  check_launch(op, gpu::plan_paged_attention(p, lse.has_value(), request, &planned));
+  if (plan.has_value()) check_plan(op, *plan, gpu::plan_values(planned));
+  at::Tensor allocated;
+  void* workspace_data = nullptr;
+  if (workspace.has_value()) {
+    workspace_data = checked_workspace(op, *workspace, planned.workspace_bytes, query);
+  } else {
+    allocated = at::empty({planned.workspace_bytes}, query.options().dtype(at::kByte));
+    workspace_data = allocated.data_ptr();
+  }
+  check_launch(op, gpu::paged_attention(p, operands.lse, planned, workspace_data, current_stream(query.device())));
 }
 
 void merge_attention_states_gpu(at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& out_a,
@@ -79,6 +121,7 @@ void kv_amax_gpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_a
 TORCH_LIBRARY_IMPL(fp8kv, CUDA, m) {
   m.impl("reshape_and_cache", &reshape_and_cache_gpu);
   m.impl("paged_attention", &paged_attention_gpu);
+  m.impl("plan_paged_attention", &plan_paged_attention_gpu);
   m.impl("kv_amax", &kv_amax_gpu);
   m.impl("merge_attention_states", &merge_attention_states_gpu);
 }

@@ -5,9 +5,9 @@
 // launch status.
 #pragma once
 
-#include <cstdlib>
-#include <cstring>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "../kernel_params.h"
 
@@ -44,26 +44,29 @@ Status reshape_and_cache(const CacheWriteParams& p, Stream stream);
 
 Status kv_amax(const AmaxParams& p, Stream stream);
 
-// The multi-token attention kernel a user names with FP8KV_MULTI_TOKEN_KERNEL (read at every call):
-// nullptr when the variable is unset, empty or "auto" (the backend chooses). The names are each
-// backend's own; its paged_attention_unsupported refuses a name it does not have.
-inline constexpr const char* kMultiTokenKernelVariable = "FP8KV_MULTI_TOKEN_KERNEL";
+// A kernel a caller forces through a plan (plan_paged_attention's `kernel`), by the backend's own name
+// for it: "" or "auto" is the backend's choice (request 0). Sets *request to its code and returns "",
+// or returns why the name is not one of the backend's.
+std::string kernel_request(const std::string& name, int* request);
 
-inline const char* requested_multi_token_kernel() {
-  const char* name = std::getenv(kMultiTokenKernelVariable);
-  return name == nullptr || std::strcmp(name, "") == 0 || std::strcmp(name, "auto") == 0 ? nullptr : name;
-}
+// Why p, planned with `request`, has no attention kernel on this backend (its head size, block size,
+// grid limits, a forced kernel that cannot run it), from sizes only: "" when it has one.
+std::string plan_unsupported(const PagedAttentionParams& p, int request);
 
-// Why p has no attention kernel on this backend (its head size, block size, alignment, grid limits),
-// or "" when it has one.
-std::string paged_attention_unsupported(const PagedAttentionParams& p);
+// plan_unsupported, and what the operands' addresses and strides must satisfy.
+std::string paged_attention_unsupported(const PagedAttentionParams& p, int request);
 
 // How paged attention will run p on the current device (its multiprocessor count and the kernels'
 // occupancy set how many splits fill it), chosen on the host from sizes only (no device data), so a
-// captured graph replays it unchanged. AttentionPlan is each backend's own (above): the bindings
-// read only its `int64_t workspace_bytes` and pass the plan back to paged_attention. `lse`: whether
-// the call writes the log-sum-exp (the split merge writes it, so such a plan has at least two splits).
-Status plan_paged_attention(const PagedAttentionParams& p, bool lse, AttentionPlan* plan);
+// captured graph replays it unchanged and one plan serves every layer of a step. AttentionPlan is each
+// backend's own (above): the bindings read only its `int64_t workspace_bytes` and pass the plan back to
+// paged_attention. `lse`: whether the call writes the log-sum-exp (the split merge writes it, so such
+// a plan has at least two splits); `request`: kernel_request's code (checked by plan_unsupported).
+Status plan_paged_attention(const PagedAttentionParams& p, bool lse, int request, AttentionPlan* plan);
+
+// The plan as fp8kv.plan_paged_attention returns it, and a planned call checks it: [workspace_bytes,
+// request, kernel, num_splits, the backend's other fields]. Equal values are the same plan.
+std::vector<int64_t> plan_values(const AttentionPlan& plan);
 
 // `workspace`: plan.workspace_bytes of device memory on the current device (unused when 0); `lse`:
 // the log-sum-exp output, as planned (data nullptr: none).

@@ -8,6 +8,7 @@ namespace fp8kv::hip {
 
 struct AttentionPlan {
   int64_t workspace_bytes;  // the splits' partial results (0 with one split)
+  int request;              // the kernel the caller forced: always 0 (the backend's one kernel)
   int num_splits;           // context splits per row; 1 writes `out` directly
 };
 

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <mutex>
 
 namespace fp8kv::hip {
 
@@ -13,12 +14,21 @@ constexpr T ceil_div(T a, T b) {
   return (a + b - 1) / b;
 }
 
-// Compute units of the current device: the kernels size their grids to fill it.
+// Compute units of the current device, read once per device: the kernels size their grids to fill it.
 inline hipError_t current_compute_units(int* count) {
+  constexpr int kMaxDevices = 64;
+  static std::once_flag read[kMaxDevices];
+  static int units[kMaxDevices];
+  static hipError_t read_status[kMaxDevices];
   int device = 0;
-  hipError_t status = hipGetDevice(&device);
+  const hipError_t status = hipGetDevice(&device);
   if (status != hipSuccess) return status;
-  return hipDeviceGetAttribute(count, hipDeviceAttributeMultiprocessorCount, device);
+  if (device < 0 || device >= kMaxDevices) return hipDeviceGetAttribute(count, hipDeviceAttributeMultiprocessorCount, device);
+  std::call_once(read[device], [device] {
+    read_status[device] = hipDeviceGetAttribute(&units[device], hipDeviceAttributeMultiprocessorCount, device);
+  });
+  *count = units[device];
+  return read_status[device];
 }
 
 // True if `chunk` consecutive elements of `element_bytes` starting at `base` plus any combination of

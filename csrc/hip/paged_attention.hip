@@ -498,7 +498,14 @@ namespace fp8kv::gpu {
 
 using namespace hip;  // the backend's pieces
 
-std::string paged_attention_unsupported(const PagedAttentionParams& p) {
+std::string kernel_request(const std::string& name, int* request) {
+  *request = 0;
+  if (name.empty() || name == "auto") return "";
+  return "`kernel` must be \"auto\" on HIP (one kernel runs every call), got \"" + name + "\"";
+}
+
+std::string plan_unsupported(const PagedAttentionParams& p, int request) {
+  if (request != 0) return "`plan` names no kernel of this backend: make it with fp8kv.plan_paged_attention";
   if (p.head_size % kDimsPerLane != 0 || p.head_size > kMaxHeadSize) {
     return "head_size must be a multiple of 8 and at most 256, got " + std::to_string(p.head_size);
   }
@@ -508,15 +515,17 @@ std::string paged_attention_unsupported(const PagedAttentionParams& p) {
     return "too many heads for one grid (at most 65535 query heads)";
   }
   if (p.fp8_math) return "`fp8_math` needs the CUDA kernels on a compute capability 9.0 GPU";
-  const char* kernel = requested_multi_token_kernel();
-  if (p.cu_seqlens_q != nullptr && kernel != nullptr) {
-    return std::string("environment variable ") + kMultiTokenKernelVariable + " must be unset, empty or \"auto\" " +
-           "(this backend has one multi-token kernel), got \"" + kernel + "\"";
-  }
   return "";
 }
 
-Status plan_paged_attention(const PagedAttentionParams& p, bool lse, AttentionPlan* plan) {
+// The kernel reads any alignment (aligned chunks are a fast path it picks per call).
+std::string paged_attention_unsupported(const PagedAttentionParams& p, int request) {
+  return plan_unsupported(p, request);
+}
+
+Status plan_paged_attention(const PagedAttentionParams& p, bool lse, int request, AttentionPlan* plan) {
+  *plan = AttentionPlan{};
+  plan->request = request;
   int compute_units = 0;
   const hipError_t status = current_compute_units(&compute_units);
   if (status != hipSuccess) return status;
@@ -530,6 +539,11 @@ Status plan_paged_attention(const PagedAttentionParams& p, bool lse, AttentionPl
   plan->workspace_bytes =
       splits == 1 ? 0 : p.num_query_tokens * p.num_heads * splits * (p.head_size + 2) * static_cast<int64_t>(sizeof(float));
   return hipSuccess;
+}
+
+// [workspace_bytes, request, kernel (0: the one kernel), num_splits].
+std::vector<int64_t> plan_values(const AttentionPlan& plan) {
+  return {plan.workspace_bytes, plan.request, 0, plan.num_splits};
 }
 
 Status paged_attention(const PagedAttentionParams& p, const RowsView& lse, const AttentionPlan& plan, void* workspace,

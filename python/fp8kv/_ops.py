@@ -55,11 +55,20 @@ def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, k_
 def _paged_attention_fake(
     out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
     k_scale, v_scale, sliding_window=-1, logits_soft_cap=0.0, hadamard=False, k_offset=None, fp8_math=False,
-    lse=None,
+    lse=None, plan=None, workspace=None,
 ) -> None:
     _check_one_device("fp8kv.paged_attention", query=query, out=out, key_cache=key_cache, value_cache=value_cache,
                       block_tables=block_tables, seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, k_scale=k_scale,
-                      v_scale=v_scale, k_offset=k_offset, lse=lse)
+                      v_scale=v_scale, k_offset=k_offset, lse=lse, workspace=workspace)
+
+
+@torch.library.register_fake("fp8kv::plan_paged_attention")
+def _plan_paged_attention_fake(key_cache, block_tables, cu_seqlens_q, num_query_tokens, num_heads, sliding_window=-1,
+                               fp8_math=False, lse=False, kernel="auto"):
+    # A plan's values come from the device's facts and the kernels' occupancy, which tracing has not.
+    raise RuntimeError("fp8kv.plan_paged_attention: plans are made from real tensors outside traced and compiled code "
+                       "(once per step, before the layers run); traced code calls paged_attention without a plan, "
+                       "and it plans each call itself")
 
 
 @torch.library.register_fake("fp8kv::merge_attention_states")

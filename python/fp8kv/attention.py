@@ -55,8 +55,17 @@ class PagedAttention(nn.Module):
         ops.reshape_and_cache(key, value, layer, batch.slot_mapping)
         out = torch.empty_like(query)
         ops.paged_attention(out, query, layer, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
-                            self.softmax_scale, self.sliding_window, self.logits_soft_cap, self.fp8_math)
+                            self.softmax_scale, self.sliding_window, self.logits_soft_cap, self.fp8_math,
+                            plan=self._plan(query, layer, batch))
         return out
+
+    def _plan(self, query: torch.Tensor, layer: KVCacheLayer, batch: BatchMetadata) -> ops.AttentionPlan | None:
+        """The step's plan, shared by its layers; none in traced code (plans are made from real tensors)
+        or while a CUDA graph is captured (the call's own workspace then lives in the graph's memory,
+        where a replay may write it)."""
+        if torch.compiler.is_compiling() or (query.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        return batch.attention_plan(layer, query.shape[0], self.num_heads, self.sliding_window, self.fp8_math)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_size={self.head_size}"

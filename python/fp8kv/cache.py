@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import collections
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 import torch
 
+from . import ops
 from .formats import KVCacheConfig, KVCacheDtype
 from .layer import KVCacheLayer
 from .rotation import Rotation
@@ -42,10 +43,24 @@ class BatchMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     cu_seqlens_q: torch.Tensor | None
+    _plans: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
         return self.slot_mapping.numel()
+
+    def attention_plan(self, layer: KVCacheLayer, num_query_tokens: int, num_heads: int, sliding_window: int,
+                       fp8_math: bool) -> ops.AttentionPlan:
+        """The step's plan of attention calls of these sizes over caches shaped like `layer`'s
+        (fp8kv.ops.plan_paged_attention): made at the first layer's call, shared by the others."""
+        cache = layer.key_cache
+        key = (cache.shape, cache.dtype, cache.device, num_query_tokens, num_heads, sliding_window, fp8_math)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = ops.plan_paged_attention(layer, self.block_tables, self.cu_seqlens_q, num_query_tokens, num_heads,
+                                            sliding_window=sliding_window, fp8_math=fp8_math)
+            self._plans[key] = plan
+        return plan
 
 
 class BlockAllocator:

@@ -11,13 +11,15 @@ docs/ops.md; bad input raises RuntimeError naming the argument, and a tensor arg
 something else (a list, a float) TypeError saying what it must be.
 """
 
+import dataclasses
+
 import torch
 
 from . import _ops  # noqa: F401  (loads the library)
 from .layer import KVCacheLayer
 
-__all__ = sorted(["reshape_and_cache", "paged_attention", "kv_amax", "check_cache_write_indices",
-                  "check_paged_attention_indices", "merge_attention_states"])
+__all__ = sorted(["reshape_and_cache", "paged_attention", "plan_paged_attention", "AttentionPlan", "kv_amax",
+                  "check_cache_write_indices", "check_paged_attention_indices", "merge_attention_states"])
 
 
 def __dir__() -> list[str]:
@@ -44,16 +46,17 @@ _TENSORS = {
     "out_b": "a tensor [num_tokens, num_heads, head_size]",
     "lse_a": "a float32 tensor [num_tokens, num_heads]",
     "lse_b": "a float32 tensor [num_tokens, num_heads]",
+    "plan": "None or an AttentionPlan (fp8kv.ops.plan_paged_attention)",
 }
 
 
 def _check_arguments(op: str, **arguments) -> None:
     """Raises TypeError naming the first of `arguments` that is not what it must be (a tensor, None
-    only for cu_seqlens_q and lse, a KVCacheLayer for layer).
+    only for cu_seqlens_q, lse and plan, a KVCacheLayer for layer, an AttentionPlan for plan).
     A type check per argument, no data read: cheap enough for every decode step."""
     for name, value in arguments.items():
-        expected = KVCacheLayer if name == "layer" else torch.Tensor
-        if not isinstance(value, expected) and not (value is None and name in ("cu_seqlens_q", "lse")):
+        expected = _NOT_TENSORS.get(name, torch.Tensor)
+        if not isinstance(value, expected) and not (value is None and name in ("cu_seqlens_q", "lse", "plan")):
             raise TypeError(f"fp8kv.ops.{op}: {name} must be {_TENSORS[name]}, got {type(value).__name__}")
 
 
@@ -73,6 +76,73 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, layer: KVCacheLaye
                                       layer.v_scale, layer.hadamard, layer.k_offset)
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """How paged_attention runs the calls of one step's sizes: the kernel, the context splits and a
+    workspace of their size, made once (plan_paged_attention) and given to every layer's call of the
+    step. Made from sizes only, so a CUDA graph replays it; a call checks that it is its own plan.
+
+    values: the plan as the backend made it, [workspace_bytes, forced kernel, kernel, num_splits,
+        the backend's other fields] (torch.ops.fp8kv.plan_paged_attention's answer).
+    workspace: a uint8 tensor of workspace_bytes on the cache's device, shared by the step's calls
+        (they run one after another on one stream; calls on several streams at once need a plan each).
+    """
+
+    values: tuple[int, ...]
+    workspace: torch.Tensor
+
+    # Names of the kernels by the plan's third value, per backend: the CUDA backend's are those
+    # plan_paged_attention's `kernel` forces ("sm90a" runs `fp8_math` calls in FP8 math).
+    KERNELS = {"cpu": ("cpu",), "cuda": ("decode", "sm80", "sm90a", "sm90a"), "hip": ("hip",)}
+
+    @property
+    def kernel(self) -> str:
+        """The kernel the planned calls run: "cpu"; on CUDA "decode", "sm80" or "sm90a"; "hip" on ROCm."""
+        device = self.workspace.device.type
+        backend = "hip" if device == "cuda" and torch.version.hip else device
+        return self.KERNELS[backend][self.values[2]]
+
+    @property
+    def num_splits(self) -> int:
+        """Context splits per query row (flash-decoding); 1 writes the output directly."""
+        return self.values[3]
+
+
+# The arguments of the wrappers that are fp8kv objects, not tensors.
+_NOT_TENSORS = {"layer": KVCacheLayer, "plan": AttentionPlan}
+
+
+def plan_paged_attention(
+    layer: KVCacheLayer,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    num_query_tokens: int,
+    num_heads: int,
+    *,
+    sliding_window: int = -1,
+    fp8_math: bool = False,
+    lse: bool = False,
+    kernel: str = "auto",
+) -> AttentionPlan:
+    """The plan of a step's paged_attention calls over caches shaped like `layer`'s: once per step,
+    then given to each layer's call (`plan=`), which then neither plans nor allocates.
+
+    From sizes only (no tensor data is read): `layer`'s cache geometry and format, `block_tables`'
+    shape, whether `cu_seqlens_q` is given (multi-token queries) or not (decode), the step's query
+    rows and heads, and the calls' sliding_window, fp8_math and whether they write `lse`. A call of
+    other sizes refuses the plan (RuntimeError) rather than run with it.
+    kernel: "auto" (the planner's choice), or on CUDA a kernel forced for multi-token calls: "sm80"
+        (every GPU), "sm90a" (compute capability 9.0) or "decode" (short queries; at most
+        supported_values("cuda_decode_table_seqs") sequences). Refused where it cannot run the calls.
+    Not inside torch.compile'd or traced code: there, paged_attention plans each call itself.
+    """
+    _check_arguments("plan_paged_attention", layer=layer, block_tables=block_tables, cu_seqlens_q=cu_seqlens_q)
+    values = torch.ops.fp8kv.plan_paged_attention(layer.key_cache, block_tables, cu_seqlens_q, num_query_tokens,
+                                                  num_heads, sliding_window, fp8_math, lse, kernel)
+    workspace = torch.empty(values[0], dtype=torch.uint8, device=layer.key_cache.device)
+    return AttentionPlan(tuple(values), workspace)
+
+
 def paged_attention(
     out: torch.Tensor,
     query: torch.Tensor,
@@ -85,6 +155,7 @@ def paged_attention(
     logits_soft_cap: float = 0.0,
     fp8_math: bool = False,
     lse: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> None:
     """Attention of `query` over `layer`'s paged caches (read with the layer's recipe and scales),
     written into `out`.
@@ -109,14 +180,16 @@ def paged_attention(
         log-sum-exp: the natural log of sum_j exp(logit_j) over the keys the row sees, the logits as
         softmax weighs them (scale, soft cap, recipe included); -inf for a row without keys. With
         the output it is the row's attention state for merge_attention_states.
+    plan: None (the call plans itself and allocates its workspace), or the step's AttentionPlan
+        (plan_paged_attention), made for this call's sizes.
     A decode row whose sequence has seq_len 0 (batch padding) gets zeros (and lse -inf).
     """
     _check_arguments("paged_attention", out=out, query=query, layer=layer, block_tables=block_tables,
-                     seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, lse=lse)
+                     seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q, lse=lse, plan=plan)
     torch.ops.fp8kv.paged_attention(
         out, query, layer.key_cache, layer.value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
         layer.k_scale, layer.v_scale, sliding_window, logits_soft_cap, layer.hadamard, layer.k_offset, fp8_math,
-        lse,
+        lse, None if plan is None else plan.values, None if plan is None else plan.workspace,
     )
 
 

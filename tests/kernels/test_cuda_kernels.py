@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import fp8kv
+import reference
 from fp8kv._ops import supported_values
 from reference import (CACHE_FORMATS, FORMAT_BY_NAME, AttentionReference, all_16bit_values, allocate_caches,
                        assert_within, bits, cache_dtype, make_paged_attention_inputs, quantize,
@@ -149,30 +150,65 @@ def attention_inputs(head_size: int, q_lens: list[int] | None):
         cache_format="e4m3fn", query_dtype=torch.bfloat16, per_head_scales=False, device="cuda")
 
 
-def test_multi_token_kernel_variable_is_checked(monkeypatch):
+SM90A = torch.cuda.is_available() and torch.cuda.get_device_capability() == supported_values("cuda_sm90a_capability")
+
+
+def plan_for(inputs, kernel: str, lse: bool = False) -> list[int]:
+    return torch.ops.fp8kv.plan_paged_attention(inputs.key_cache, inputs.block_tables, inputs.cu_seqlens_q,
+                                                inputs.query.shape[0], inputs.query.shape[1], inputs.sliding_window,
+                                                inputs.fp8_math, lse, kernel)
+
+
+def test_a_plan_forces_a_multi_token_kernel(monkeypatch):
     inputs = attention_inputs(128, [30])
-    monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "sm75")
-    with pytest.raises(RuntimeError, match='FP8KV_MULTI_TOKEN_KERNEL must be unset, empty, "auto", "sm80", '
-                                           '"sm90a" or "decode", got "sm75"'):
-        inputs.run()
-    # Decode has one kernel: the variable does not concern it.
+    with pytest.raises(RuntimeError, match='`kernel` must be "auto", "sm80", "sm90a" or "decode" on CUDA, got "sm75"'):
+        plan_for(inputs, "sm75")
+    for kernel, name in (("", "sm90a" if SM90A else "sm80"), ("auto", "sm90a" if SM90A else "sm80"),
+                         ("sm80", "sm80"), ("decode", "decode")):
+        plan = plan_for(inputs, kernel)
+        assert fp8kv.ops.AttentionPlan(tuple(plan), torch.empty(plan[0], dtype=torch.uint8, device="cuda")).kernel == name
+        monkeypatch.setattr(reference, "FORCED_KERNEL", kernel or "auto")
+        assert_within(inputs.run(), inputs.reference(), f"kernel={kernel!r}")
+    # Decode calls have one kernel: forcing a multi-token one for them is refused.
     decode = attention_inputs(128, None)
-    assert_within(decode.run(), decode.reference(), "decode")
-    for value in ("", "auto", "sm80", "decode"):
-        monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", value)
-        assert_within(inputs.run(), inputs.reference(), f"FP8KV_MULTI_TOKEN_KERNEL={value!r}")
+    with pytest.raises(RuntimeError, match='`kernel`="sm80" runs multi-token queries; a decode call'):
+        plan_for(decode, "sm80")
+    assert plan_for(decode, "decode") == plan_for(decode, "auto")[:1] + [3] + plan_for(decode, "auto")[2:]
 
 
-def test_sm90a_kernel_request_that_cannot_run_is_refused(monkeypatch):
-    monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "sm90a")
+def test_sm90a_kernel_request_that_cannot_run_is_refused():
     head_sizes, capability = supported_values("cuda_sm90a_head_sizes"), supported_values("cuda_sm90a_capability")
-    inputs = attention_inputs(96, [30])
-    with pytest.raises(RuntimeError, match=rf"FP8KV_MULTI_TOKEN_KERNEL=sm90a needs .* head_size one of "
+    with pytest.raises(RuntimeError, match=rf'`kernel`="sm90a" needs .* head_size one of '
                                            rf"{', '.join(map(str, head_sizes))} \(got 96\)"):
-        inputs.run()
+        plan_for(attention_inputs(96, [30]), "sm90a")
     if torch.cuda.get_device_capability() != capability:
         with pytest.raises(RuntimeError, match=rf"compute capability {capability[0]}\.{capability[1]} device"):
-            attention_inputs(head_sizes[-1], [30]).run()
+            plan_for(attention_inputs(head_sizes[-1], [30]), "sm90a")
+
+
+def test_a_plan_is_checked_against_the_call():
+    """A planned call recomputes its own plan and refuses another one (other sizes, lse, a changed
+    value), or a workspace smaller than its plan's."""
+    inputs = attention_inputs(128, [30])
+    plan = plan_for(inputs, "auto")
+    out = torch.empty_like(inputs.query)
+    args = (out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables, inputs.seq_lens,
+            inputs.cu_seqlens_q, inputs.softmax_scale, inputs.k_scale, inputs.v_scale)
+    workspace = torch.empty(max(plan[0], 1), dtype=torch.uint8, device="cuda")
+    torch.ops.fp8kv.paged_attention(*args, plan=plan, workspace=workspace)
+    assert_within(out, inputs.reference(), "planned")
+    for changed in ([plan[0] + 16, *plan[1:]], [*plan[:3], plan[3] + 1, *plan[4:]], plan[:2], [0, 99]):
+        with pytest.raises(RuntimeError, match="`plan`"):
+            torch.ops.fp8kv.paged_attention(*args, plan=changed, workspace=workspace)
+    lse = torch.empty(inputs.query.shape[:2], device="cuda")
+    lse_plan = plan_for(inputs, "auto", lse=True)
+    if lse_plan != plan:
+        with pytest.raises(RuntimeError, match="is not this call's plan"):
+            torch.ops.fp8kv.paged_attention(*args, lse=lse, plan=plan, workspace=workspace)
+    if lse_plan[0] > 0:
+        with pytest.raises(RuntimeError, match="`workspace` must be a contiguous tensor of at least"):
+            torch.ops.fp8kv.paged_attention(*args, lse=lse, plan=lse_plan,
+                                            workspace=torch.empty(lse_plan[0] - 1, dtype=torch.uint8, device="cuda"))
 
 
 @pytest.mark.parametrize("multi_token", [False, True])
@@ -281,17 +317,15 @@ def test_short_queries_run_on_the_decode_kernel():
     assert len(many) == 1 and "decode_kernel" not in many
 
 
-def test_decode_kernel_request_refuses_more_sequences_than_its_table(monkeypatch):
+def test_decode_kernel_request_refuses_more_sequences_than_its_table():
     table_seqs = supported_values("cuda_decode_table_seqs")[0]
     inputs = make_paged_attention_inputs(
         seq_lens=[3] * (table_seqs + 1), q_lens=[1] * (table_seqs + 1), num_heads=4, num_kv_heads=2, head_size=64,
         block_size=16, cache_format="e4m3fn", query_dtype=torch.bfloat16, per_head_scales=False, device="cuda")
-    monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "decode")
-    with pytest.raises(RuntimeError, match=rf"FP8KV_MULTI_TOKEN_KERNEL=decode takes at most {table_seqs} "
+    with pytest.raises(RuntimeError, match=rf'`kernel`="decode" takes at most {table_seqs} '
                                            rf"sequences and num_query_tokens \* num_heads below 2\^31, got "
                                            rf"{table_seqs + 1} sequences and {4 * (table_seqs + 1)}"):
-        inputs.run()
-    monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "auto")
+        plan_for(inputs, "decode")
     assert_within(inputs.run(), inputs.reference(), "more sequences than the decode kernel's table")
 
 
@@ -306,7 +340,9 @@ seq_lens = torch.full((seqs,), tokens, dtype=torch.int32, device="cuda")
 query = torch.randn(tokens, heads, d, device="cuda", dtype=torch.bfloat16)
 buffer = torch.full((tokens + 2, heads, d), 7.0, device="cuda", dtype=torch.bfloat16)
 one = torch.ones(1, device="cuda")
-torch.ops.fp8kv.paged_attention(buffer[1:-1], query, key_cache, key_cache.clone(), tables, seq_lens, cu, d ** -0.5, one, one)
+plan = torch.ops.fp8kv.plan_paged_attention(key_cache, tables, cu, tokens, heads, kernel=KERNEL)
+torch.ops.fp8kv.paged_attention(buffer[1:-1], query, key_cache, key_cache.clone(), tables, seq_lens, cu, d ** -0.5, one,
+                                one, plan=plan)
 torch.cuda.synchronize()
 assert bool((buffer[0] == 7).all() and (buffer[-1] == 7).all()), "wrote outside out"
 print("ended")
@@ -318,10 +354,10 @@ def test_overlapping_query_ranges_end_without_writing_outside(kernel):
     """An invalid cu_seqlens_q whose sequences overlap (not read on CUDA unless FP8KV_DEBUG_CHECKS is set):
     the decode kernel's items, counted from it, must still end, and nothing outside `out` is written.
     In a child process, so that a hang fails the test instead of stopping the run."""
-    env = {**os.environ, "FP8KV_MULTI_TOKEN_KERNEL": kernel}
+    env = dict(os.environ)
     env.pop("FP8KV_DEBUG_CHECKS", None)
-    child = subprocess.run([sys.executable, "-c", OVERLAPPING_QUERIES], env=env, capture_output=True, text=True,
-                           timeout=120)
+    child = subprocess.run([sys.executable, "-c", f"KERNEL = {kernel!r}\n" + OVERLAPPING_QUERIES], env=env,
+                           capture_output=True, text=True, timeout=120)
     assert child.returncode == 0 and "ended" in child.stdout, child.stderr[-2000:]
 
 
@@ -342,7 +378,7 @@ def test_verification_on_the_decode_kernel_takes_many_items(case, monkeypatch):
     on the decode kernel: more items than resident CTAs (the queue), sequences without rows between
     others (the table's search), a sequence whose rows take many items, every causal end within a tile."""
     cache_format, head_size, gqa, layout, window, soft_cap = case
-    monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "decode")
+    monkeypatch.setattr(reference, "FORCED_KERNEL", "decode")
     generator = torch.Generator().manual_seed(head_size)
     q_lens = torch.randint(0, 8, (700,), generator=generator).tolist()
     q_lens[350] = 40

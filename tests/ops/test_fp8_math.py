@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fp8kv
+import reference
 from fp8kv._ops import supported_values
 from reference import (CACHE_LAYOUTS, FORMAT_BY_NAME, AttentionReference, add_output_rounding, assert_within, bits,
                        cache_values, covering_grid, fp8_math_error_bound, make_paged_attention_inputs,
@@ -57,8 +58,8 @@ LENGTHS = {  # (seq_lens, q_lens)
     "prefill": ([300, 1, 0, 129], [300, 1, 0, 129]),
     # Chunks over cached tokens; 64 rows over 1500 cached tokens get a split context.
     "chunked": ([640, 1564, 77, 200], [190, 64, 13, 200]),
-    # Draft tokens, sent to the FP8-math kernel by FP8KV_MULTI_TOKEN_KERNEL=sm90a (the planner gives
-    # them to the decode kernel): tiles mostly of padding rows.
+    # Draft tokens, sent to the FP8-math kernel by a plan forcing "sm90a" (the planner gives them to
+    # the decode kernel): tiles mostly of padding rows.
     "short": ([300, 1000, 1, 64], [4, 4, 1, 8]),
 }
 
@@ -69,7 +70,7 @@ LENGTHS = {  # (seq_lens, q_lens)
 @pytest.mark.parametrize("lengths", list(LENGTHS))
 def test_fp8_math_within_bound(case, lengths, monkeypatch):
     if lengths == "short":
-        monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", "sm90a")
+        monkeypatch.setattr(reference, "FORCED_KERNEL", "sm90a")
     seq_lens, q_lens = LENGTHS[lengths]
     index = CASES.index(case)
     b = case["block_size"]
@@ -239,6 +240,6 @@ def test_fp8_math_refusals_on_the_gpu(monkeypatch):
     inputs = small_inputs("cuda")
     inputs.fp8_math = True
     for kernel in ("sm80", "decode"):
-        monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", kernel)
-        with pytest.raises(RuntimeError, match=f"FP8KV_MULTI_TOKEN_KERNEL={kernel} names a kernel without FP8 math"):
+        monkeypatch.setattr(reference, "FORCED_KERNEL", kernel)
+        with pytest.raises(RuntimeError, match=f'`kernel`="{kernel}" names a kernel without FP8 math'):
             inputs.run()

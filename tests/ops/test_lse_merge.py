@@ -22,6 +22,7 @@ import torch
 import torch._dynamo.testing
 
 import fp8kv
+import reference
 from fp8kv._ops import supported_values
 from reference import (FLOAT32_UNIT_ROUNDOFF, AttentionReference, PagedAttentionInputs, add_output_rounding,
                        assert_within, bits, cache_values, kernel_product_dtype, make_paged_attention_inputs)
@@ -36,12 +37,12 @@ SM90A_CAPABILITY = supported_values("cuda_sm90a_capability")
                         pytest.param("cuda:decode", marks=pytest.mark.gpu)])
 def any_kernel(request, monkeypatch) -> str:
     """The device, and on CUDA each multi-token kernel in turn (the planner's choice, then each one
-    forced with FP8KV_MULTI_TOKEN_KERNEL)."""
+    forced through the calls' plans)."""
     device, _, kernel = request.param.partition(":")
     if kernel == "sm90a" and torch.cuda.get_device_capability() != SM90A_CAPABILITY:
         pytest.skip(f"the sm90a multi-token kernel runs on compute capability {SM90A_CAPABILITY} only")
     if kernel and kernel != "auto":
-        monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", kernel)
+        monkeypatch.setattr(reference, "FORCED_KERNEL", kernel)
     return device
 
 
@@ -112,7 +113,7 @@ def run_with_lse(inputs, transposed: bool, **recipe) -> tuple[torch.Tensor, torc
     torch.ops.fp8kv.paged_attention(out, inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_tables,
                               inputs.seq_lens, inputs.cu_seqlens_q, inputs.softmax_scale, inputs.k_scale,
                               inputs.v_scale, inputs.sliding_window, inputs.logits_soft_cap, lse=lse,
-                              fp8_math=inputs.fp8_math, **recipe)
+                              fp8_math=inputs.fp8_math, **recipe, **inputs.forced_plan(lse=True))
     return out, lse
 
 

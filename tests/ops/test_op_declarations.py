@@ -21,18 +21,23 @@ from fp8kv import _ops
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The ops with kernels per backend, and the function of op_params.h that validates their arguments.
 KERNEL_OPS = {"reshape_and_cache": "cache_write_params", "paged_attention": "paged_attention_params",
-              "kv_amax": "amax_params", "merge_attention_states": "merge_states_params"}
+              "plan_paged_attention": "plan_params", "kv_amax": "amax_params",
+              "merge_attention_states": "merge_states_params"}
+# Schema arguments the validation does not take: the bindings check them against the backend's plan.
+NOT_VALIDATED = {"paged_attention": ("plan", "workspace"), "plan_paged_attention": ("lse", "kernel")}
 WRAPPED_OPS = [*KERNEL_OPS, "check_cache_write_indices", "check_paged_attention_indices"]
-PYTHON_TYPES = {"Tensor": torch.Tensor, "Tensor?": torch.Tensor | None, "float": float, "int": int, "bool": bool}
+PYTHON_TYPES = {"Tensor": torch.Tensor, "Tensor?": torch.Tensor | None, "float": float, "int": int, "bool": bool,
+                "str": str}
 CPP_TYPES = {"Tensor": ("const at::Tensor&", "at::Tensor&"), "Tensor?": ("const std::optional<at::Tensor>&",),
-             "float": ("double",), "int": ("int64_t",), "bool": ("bool",)}
+             "float": ("double",), "int": ("int64_t",), "bool": ("bool",), "int[]?": ("at::OptionalIntArrayRef",),
+             "str": ("c10::string_view",)}
 
 
 def schema_arguments(op: str) -> list[tuple[str, str, bool, object]]:
     """(name, type, mutated, default or inspect.Parameter.empty) of each argument, as torch parsed the schema."""
     arguments = []
     for argument in getattr(torch.ops.fp8kv, op).default._schema.arguments:
-        kind = str(argument.type).replace("Optional[Tensor]", "Tensor?")
+        kind = str(argument.type).replace("Optional[Tensor]", "Tensor?").replace("Optional[List[int]]", "int[]?")
         mutated = argument.alias_info is not None and argument.alias_info.is_write
         default = argument.default_value if argument.has_default_value() else inspect.Parameter.empty
         arguments.append((argument.name, kind, mutated, default))
@@ -43,25 +48,31 @@ def python_parameters(fn) -> list[tuple[str, object]]:
     return [(name, p.default) for name, p in inspect.signature(fn).parameters.items()]
 
 
-@pytest.mark.parametrize("op", [*KERNEL_OPS, "check_cache_write_indices", "check_paged_attention_indices"])
+@pytest.mark.parametrize("op", WRAPPED_OPS)
 def test_fake_matches_the_schema(op):
     fake = getattr(_ops, f"_{op}_fake")
     want = [(name, default) for name, _, _, default in schema_arguments(op)]
     assert python_parameters(fake) == want, f"fp8kv._ops._{op}_fake"
 
 
-# The schema arguments a KVCacheLayer holds: the wrappers take `layer` in their place (at the first one's).
+# The schema arguments a KVCacheLayer holds: the wrappers take `layer` in their place (at the first one's);
+# and those an AttentionPlan holds: `plan` in their place.
 LAYER_ARGUMENTS = ("key_cache", "value_cache", "k_scale", "v_scale", "hadamard", "k_offset")
+PLAN_ARGUMENTS = ("plan", "workspace")
+WRAPPER_OBJECTS = {"layer": ("KVCacheLayer", inspect.Parameter.empty), "plan": ("AttentionPlan | None", None)}
 
 
 def wrapper_arguments(op: str) -> list[tuple[str, str, bool, object]]:
-    """The schema's arguments as fp8kv.ops' wrapper takes them: the layer's replaced by `layer`."""
+    """The schema's arguments as fp8kv.ops' wrapper takes them: the layer's replaced by `layer`, the
+    plan's by `plan`. The plan wrapper takes its sizes and options by keyword after the tensors."""
     arguments = []
     for argument in schema_arguments(op):
-        if argument[0] not in LAYER_ARGUMENTS:
+        name = argument[0]
+        held_by = "layer" if name in LAYER_ARGUMENTS else "plan" if name in PLAN_ARGUMENTS else None
+        if held_by is None:
             arguments.append(argument)
-        elif "layer" not in [a[0] for a in arguments]:
-            arguments.append(("layer", "KVCacheLayer", False, inspect.Parameter.empty))
+        elif held_by not in [a[0] for a in arguments]:
+            arguments.append((held_by, WRAPPER_OBJECTS[held_by][0], False, WRAPPER_OBJECTS[held_by][1]))
     return arguments
 
 
@@ -71,7 +82,7 @@ def test_wrapper_matches_the_schema(op):
     want = [(name, default) for name, _, _, default in wrapper_arguments(op)]
     assert python_parameters(wrapper) == want, f"fp8kv.ops.{op}: names and defaults"
     annotations = {name: p.annotation for name, p in inspect.signature(wrapper).parameters.items()}
-    types = {**PYTHON_TYPES, "KVCacheLayer": fp8kv.KVCacheLayer}
+    types = {**PYTHON_TYPES, "KVCacheLayer": fp8kv.KVCacheLayer, "AttentionPlan | None": fp8kv.ops.AttentionPlan | None}
     for name, kind, _, _ in wrapper_arguments(op):
         assert annotations[name] == types[kind], f"fp8kv.ops.{op}: `{name}` is {kind} in the schema"
 
@@ -87,8 +98,8 @@ def test_wrapper_tensor_checks_match_the_schemas():
     """fp8kv.ops names every tensor argument it takes in its TypeError (_TENSORS) and lets exactly the
     optional ones be None (the names tuple in _check_arguments)."""
     arguments = [a for op in KERNEL_OPS for a in wrapper_arguments(op)]
-    tensors = {name for name, kind, _, _ in arguments if kind.startswith("Tensor")}
-    optional = {name for name, kind, _, _ in arguments if kind == "Tensor?"}
+    tensors = {name for name, kind, _, _ in arguments if kind.startswith("Tensor")} | {"plan"}
+    optional = {name for name, kind, _, _ in arguments if kind == "Tensor?"} | {"plan"}
     assert tensors <= set(fp8kv.ops._TENSORS), f"missing from fp8kv.ops._TENSORS: {tensors - set(fp8kv.ops._TENSORS)}"
     allowed_none = [c for c in fp8kv.ops._check_arguments.__code__.co_consts
                     if isinstance(c, tuple) and c and all(isinstance(x, str) for x in c)]
@@ -99,7 +110,7 @@ def cpp_parameters(path: pathlib.Path, function: str) -> list[list[tuple[str, st
     """(type, name) of the parameters of every definition or declaration of `function` in a C++ file."""
     text = re.sub(r"//[^\n]*", "", path.read_text())
     found = []
-    for match in re.finditer(rf"\b[\w:]+\s+{function}\(([^()]*)\)\s*[{{;]", text):
+    for match in re.finditer(rf"\b[\w:<>]+\s+{function}\(([^()]*)\)\s*[{{;]", text):
         parameters = []
         for parameter in filter(None, (p.strip() for p in match.group(1).split(","))):
             kind, name = re.fullmatch(r"(.*?)\s*\b(\w+)", " ".join(parameter.split())).groups()
@@ -119,8 +130,12 @@ def cpp_calls(path: pathlib.Path, function: str) -> list[list[str]]:
     return calls
 
 
-def check_cpp_parameters(where: str, parameters: list[tuple[str, str]], op: str, mutable_outputs: bool) -> None:
-    want = schema_arguments(op)
+def validated_arguments(op: str) -> list[tuple[str, str, bool, object]]:
+    return [a for a in schema_arguments(op) if a[0] not in NOT_VALIDATED.get(op, ())]
+
+
+def check_cpp_parameters(where: str, parameters: list[tuple[str, str]], want: list[tuple[str, str, bool, object]],
+                         mutable_outputs: bool) -> None:
     assert [name for _, name in parameters] == [name for name, _, _, _ in want], f"{where}: argument names"
     for (kind, name), (_, schema_kind, mutated, _) in zip(parameters, want):
         allowed = CPP_TYPES[schema_kind]
@@ -137,9 +152,10 @@ def test_bindings_match_the_schema(op, backend):
     path = ROOT / "csrc" / backend / "bindings.cpp"
     definitions = cpp_parameters(path, f"{op}_{backend}")
     assert len(definitions) == 1, f"{path.name}: one definition of {op}_{backend}"
-    check_cpp_parameters(f"csrc/{backend}/bindings.cpp {op}_{backend}", definitions[0], op, mutable_outputs=True)
+    check_cpp_parameters(f"csrc/{backend}/bindings.cpp {op}_{backend}", definitions[0], schema_arguments(op),
+                         mutable_outputs=True)
     calls = cpp_calls(path, KERNEL_OPS[op])
-    want = [name for name, _, _, _ in schema_arguments(op)]
+    want = [name for name, _, _, _ in validated_arguments(op)]
     assert want in calls, f"csrc/{backend}/bindings.cpp: {KERNEL_OPS[op]} called with {calls}, not {want}"
     assert f'm.impl("{op}", &{op}_{backend});' in path.read_text(), f"csrc/{backend}/bindings.cpp registers {op}"
 
@@ -149,7 +165,7 @@ def test_validation_matches_the_schema(op):
     for name in ("op_params.h", "op_params.cpp"):
         found = cpp_parameters(ROOT / "csrc" / name, KERNEL_OPS[op])
         assert len(found) == 1, f"csrc/{name}: one {KERNEL_OPS[op]}"
-        check_cpp_parameters(f"csrc/{name} {KERNEL_OPS[op]}", found[0], op, mutable_outputs=False)
+        check_cpp_parameters(f"csrc/{name} {KERNEL_OPS[op]}", found[0], validated_arguments(op), mutable_outputs=False)
 
 
 def documented_signatures() -> dict[str, list[tuple[str, str | None]]]:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import fp8kv  # noqa: F401  (loads torch.ops.fp8kv)
+import reference
 from fp8kv._ops import supported_values
 from reference import (CACHE_FORMATS, CACHE_LAYOUTS, FORMAT_BY_NAME, AttentionReference, allocate_caches,
                        assert_within, calibrated_scales, covering_grid, fill_nan, kernel_product_dtype,
@@ -64,15 +65,15 @@ VARLEN_CASES = covering_grid(
                         pytest.param("cuda:sm90a", marks=pytest.mark.gpu),
                         pytest.param("cuda:decode", marks=pytest.mark.gpu)])
 def multi_token_device(request, monkeypatch) -> str:
-    """The device for a multi-token case; on CUDA each of the three kernels in turn (chosen with
-    FP8KV_MULTI_TOKEN_KERNEL): the sm80 one on every GPU, the warpgroup-MMA one on compute
-    capability 9.0, and the decode kernel (which the planner gives short queries) taking every
-    sequence's rows in items of 8 or 16."""
+    """The device for a multi-token case; on CUDA each of the three kernels in turn (forced through
+    the calls' plans): the sm80 one on every GPU, the warpgroup-MMA one on compute capability 9.0, and
+    the decode kernel (which the planner gives short queries) taking every sequence's rows in items of
+    8 or 16."""
     device, _, kernel = request.param.partition(":")
     if kernel:
         if kernel == "sm90a" and torch.cuda.get_device_capability() != SM90A_CAPABILITY:
             pytest.skip(f"the sm90a multi-token kernel runs on compute capability {SM90A_CAPABILITY} only")
-        monkeypatch.setenv("FP8KV_MULTI_TOKEN_KERNEL", kernel)
+        monkeypatch.setattr(reference, "FORCED_KERNEL", kernel)
     return device
 
 
@@ -82,7 +83,7 @@ def sliding_window(case: dict) -> int:
 
 
 def run_case(case: dict, seq_lens: list[int], q_lens: list[int] | None, device: str, seed: int) -> None:
-    if os.environ.get("FP8KV_MULTI_TOKEN_KERNEL") == "sm90a" and case["head_size"] not in SM90A_HEAD_SIZES:
+    if reference.FORCED_KERNEL == "sm90a" and case["head_size"] not in SM90A_HEAD_SIZES:
         pytest.skip(f"the sm90a multi-token kernel has head sizes {SM90A_HEAD_SIZES}")
     inputs = make_paged_attention_inputs(
         seq_lens=seq_lens, q_lens=q_lens, num_heads=NUM_KV_HEADS * case["gqa"], num_kv_heads=NUM_KV_HEADS,

@@ -501,7 +501,7 @@ void check_attention(const AttentionCase& c) {
   p.transform = CacheTransform{rotates(c.recipe), centres(c.recipe) ? k_offset.data() : nullptr};
 
   const std::string name = describe(c);
-  if (const std::string why = gpu::paged_attention_unsupported(p); !why.empty()) {
+  if (const std::string why = gpu::paged_attention_unsupported(p, 0); !why.empty()) {
     report(false, name, why);
     return;
   }
@@ -510,7 +510,7 @@ void check_attention(const AttentionCase& c) {
   std::vector<float> lse(c.lse ? static_cast<size_t>(rows) * num_heads : 0, std::nanf(""));
   // [num_heads][rows], transposed: a strided output.
   const RowsView lse_view{c.lse ? lse.data() : nullptr, 1, rows};
-  hipError_t status = gpu::plan_paged_attention(p, c.lse, &plan);
+  hipError_t status = gpu::plan_paged_attention(p, c.lse, 0, &plan);
   std::vector<float> workspace(static_cast<size_t>(plan.workspace_bytes / 4));
   if (status == hipSuccess) status = gpu::paged_attention(p, lse_view, plan, workspace.data(), nullptr);
 
