@@ -4,7 +4,7 @@
   the kernels' time does not enter (it is the time a host-bound eager step spends per call); on the
   CPU the call does its work, so a tiny shape (one sequence, 16 cached tokens) is timed. fp8kv's
   write and attention through a KVCacheLayer (fp8kv.ops), the raw operator, the attention with a
-  plan made once per step (where this build has plans), and bf16 SDPA on the same tiny decode.
+  plan made once per step, the plan itself, and bf16 SDPA on the same tiny decode.
 - step (GPU): one decode token of a 32-layer Llama-3-8B geometry (32 query heads, 8 KV heads, head
   size 128): per layer the new token's K/V written, then attention over the cache. Eager (every op
   issued from Python) and replayed from a CUDA graph (the GPU's own time); kernels and memsets per
@@ -41,10 +41,6 @@ QUICK_SHAPES = ("B64 x 1k",)
 SDPA_CANDIDATES = ("flash", "efficient", "cudnn", "default")
 
 
-def has_plans() -> bool:
-    return hasattr(fp8kv.ops, "plan_paged_attention")
-
-
 class DecodeLayers:
     """fp8kv paged caches of `layers` layers holding `seq_len` tokens per sequence, and one decode
     token's inputs: the new K/V, their slots, the query and the output."""
@@ -68,7 +64,8 @@ class DecodeLayers:
         self.plan = None
 
     def make_plan(self) -> None:
-        self.plan = fp8kv.ops.plan_paged_attention(self.query, self.layers[0], self.block_tables, None)
+        """Planned mode: each step makes its plan once, for all its layers."""
+        self.plan = fp8kv.ops.plan_paged_attention(self.layers[0], self.block_tables, None, *self.query.shape[:2])
 
     def layer_call(self, layer) -> None:
         fp8kv.ops.reshape_and_cache(self.key, self.value, layer, self.slots)
@@ -84,7 +81,7 @@ class DecodeLayers:
                                         layer.hadamard, layer.k_offset, False, None)
 
     def step(self) -> None:
-        if has_plans() and self.plan is not None:
+        if self.plan is not None:
             self.make_plan()  # once per step, as an engine does
         for layer in self.layers:
             self.layer_call(layer)
@@ -141,6 +138,7 @@ def host_rows(device: torch.device) -> list[dict]:
     # A tiny decode (one sequence, 16 cached tokens) in SmolLM2's layout: the kernels' work is negligible.
     layers = DecodeLayers("fp8", 1, 16, 1, 9, 3, 64, device)
     layer = layers.layers[0]
+    plan = fp8kv.ops.plan_paged_attention(layer, layers.block_tables, None, *layers.query.shape[:2])
     sdpa = SdpaLayers("default", 1, 16, 1, 9, 3, 64, device)
     rows = [
         ("fp8kv.ops.reshape_and_cache (layer)",
@@ -149,17 +147,15 @@ def host_rows(device: torch.device) -> list[dict]:
          lambda: fp8kv.ops.paged_attention(layers.out, layers.query, layer, layers.block_tables, layers.seq_lens,
                                            None, layers.scale)),
         ("torch.ops.fp8kv.paged_attention (raw)", lambda: layers.raw_attention(layer)),
+        ("fp8kv.ops.paged_attention (layer, plan)",
+         lambda: fp8kv.ops.paged_attention(layers.out, layers.query, layer, layers.block_tables, layers.seq_lens,
+                                           None, layers.scale, plan=plan)),
+        ("fp8kv.ops.plan_paged_attention (once per step)",
+         lambda: fp8kv.ops.plan_paged_attention(layer, layers.block_tables, None, *layers.query.shape[:2])),
+        ("bf16 SDPA decode (F.scaled_dot_product_attention)",
+         lambda: F.scaled_dot_product_attention(sdpa.query, sdpa.caches[0][0], sdpa.caches[0][1], scale=sdpa.scale,
+                                                enable_gqa=True)),
     ]
-    if has_plans():
-        layers.make_plan()
-        rows.append(("fp8kv.ops.paged_attention (layer, plan)",
-                     lambda: fp8kv.ops.paged_attention(layers.out, layers.query, layer, layers.block_tables,
-                                                       layers.seq_lens, None, layers.scale, plan=layers.plan)))
-        rows.append(("fp8kv.ops.plan_paged_attention (once per step)",
-                     lambda: fp8kv.ops.plan_paged_attention(layers.query, layer, layers.block_tables, None)))
-    rows.append(("bf16 SDPA decode (F.scaled_dot_product_attention)",
-                 lambda: F.scaled_dot_product_attention(sdpa.query, sdpa.caches[0][0], sdpa.caches[0][1],
-                                                        scale=sdpa.scale, enable_gqa=True)))
     return [{"call": name, "host_us": host_us(call, device)} for name, call in rows]
 
 
@@ -218,7 +214,7 @@ def step_rows(shapes, device: torch.device) -> list[dict]:
         for name, make in subjects:
             subject = make()
             variants = [("", None)]
-            if isinstance(subject, DecodeLayers) and has_plans():
+            if isinstance(subject, DecodeLayers):
                 variants.append((" planned once per step", subject.make_plan))
             for suffix, prepare in variants:
                 if prepare is not None:
@@ -263,7 +259,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     result = {"device": device_info(device) if device.type == "cuda" else {"name": "cpu",
-              "threads": torch.get_num_threads()}, "plans": has_plans()}
+              "threads": torch.get_num_threads()}}
     print(f"device: {result['device']}", flush=True)
     result["host"] = host_rows(device)
     for row in result["host"]:
