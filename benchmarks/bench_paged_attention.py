@@ -282,17 +282,14 @@ def short_form(name: str | None, prefix: str) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    rot = common.ROTATED
-    headers = ["shape", "FP8 MB", "NHD us", "HND us", "graph us", f"{rot} us", "xplain", "bf16$ us", "SDPA us",
-               "SDPA form", "FI us", "FI form", "TB/s", "%read", "xSDPA", "xFI", "err", f"{rot} err", "targets"]
+    headers = [*common.layout_headers("FP8 MB"), "bf16$ us", "SDPA us", "SDPA form", "FI us", "FI form", "TB/s",
+               "%read", "xSDPA", "xFI", "err", f"{common.ROTATED} err", "targets"]
     body = []
     for row in rows:
         cols, s = row["columns"], row["summary"]
         us = lambda name: common.fmt(cols.get(name, {}).get("median_us"))
         body.append([
-            row["label"], f"{row['fp8_kv_bytes'] / 1e6:.0f}", us("fp8kv e4m3 NHD"), us("fp8kv e4m3 HND"),
-            common.fmt(s.get("fp8kv_graph_us")), common.fmt(s.get("rotated_graph_us")),
-            common.fmt(s.get("rotated_vs_plain"), 2), us("fp8kv bf16 cache"),
+            *common.layout_cells(row, row["fp8_kv_bytes"], "fp8kv e4m3 NHD", "fp8kv e4m3 HND"), us("fp8kv bf16 cache"),
             common.fmt(s.get("sdpa_us")), short_form(s.get("sdpa_best"), SDPA_PREFIX),
             common.fmt(s.get("flashinfer_us")), short_form(s.get("flashinfer_best"), FLASHINFER_PREFIX),
             common.fmt(s.get("fp8kv_tb_s"), 2),
@@ -311,11 +308,8 @@ def main() -> None:
     plot = {"metric": "eff_tb_s", "ylabel": "effective bandwidth (TB/s)",
             "lines": {"copy": ceilings["copy_tb_s"], "read": ceilings["read_tb_s"],
                       f"{TARGET_READ_FRACTION:.0%} of read": TARGET_READ_FRACTION * ceilings["read_tb_s"]},
-            "series": [["fp8kv e4m3 (faster storage)", "@fp8kv_best"],
-                       ["fp8kv e4m3 rotated+centred (faster storage)", "@rotated_best"],
-                       ["fp8kv bf16 cache", "fp8kv bf16 cache"],
-                       ["bf16 SDPA (fastest form)", "@sdpa_best"], ["dequant+SDPA", "dequant+SDPA"],
-                       ["FlashInfer FP8 (fastest)", "@flashinfer_best"]],
+            "series": [common.FP8KV_SERIES, common.ROTATED_SERIES, ["fp8kv bf16 cache", "fp8kv bf16 cache"],
+                       common.SDPA_SERIES, ["dequant+SDPA", "dequant+SDPA"], common.FLASHINFER_SERIES],
             "relative_to": ["bf16 SDPA", "@sdpa_best"]}
     common.finish_run("paged_attention_decode", setup, rows, table, plot, args)
 

@@ -385,12 +385,9 @@ def main() -> None:
                                            kernel_option=True)
     rows = common.measure_rows(shapes, lambda shape, index: measure_shape(shape, setup, seed=100 + index))
     plot = {"metric": "tflops", "ylabel": "attention TFLOP/s (causal, useful FLOPs)", "lines": {},
-            "series": [["fp8kv e4m3 (faster storage)", "@fp8kv_best"],
-                       ["fp8kv e4m3 FP8 math (faster storage)", "@fp8_math_best"],
-                       ["fp8kv e4m3 rotated+centred (faster storage)", "@rotated_best"],
-                       ["bf16 SDPA flash", "@sdpa_flash_best"],
-                       ["bf16 SDPA (fastest form)", "@sdpa_best"], ["FlashInfer FP8 (fastest)", "@flashinfer_best"],
-                       ["fp8kv decode", "@decode_best"]],
+            "series": [common.FP8KV_SERIES, ["fp8kv e4m3 FP8 math (faster storage)", "@fp8_math_best"],
+                       common.ROTATED_SERIES, ["bf16 SDPA flash", "@sdpa_flash_best"], common.SDPA_SERIES,
+                       common.FLASHINFER_SERIES, ["fp8kv decode", "@decode_best"]],
             "relative_to": ["bf16 SDPA flash", "@sdpa_flash_best"]}
     common.finish_run("paged_attention_prefill", setup, rows, table, plot, args)
 

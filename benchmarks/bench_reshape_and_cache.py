@@ -214,17 +214,14 @@ def evaluate_targets(row: dict) -> dict[str, bool | None]:
 
 
 def table(rows: list[dict]) -> str:
-    rot = common.ROTATED
-    headers = ["shape", "MB moved", "NHD us", "HND us", "graph us", f"{rot} us", "xplain", "torch us", "TB/s", "%copy",
-               "xtorch", "bad bytes", f"{rot} bad", "targets"]
+    headers = [*common.layout_headers("MB moved"), "torch us", "TB/s", "%copy", "xtorch", "bad bytes",
+               f"{common.ROTATED} bad", "targets"]
     body = []
     for row in rows:
         cols, s = row["columns"], row["summary"]
-        us = lambda name: common.fmt(cols.get(name, {}).get("median_us"))
         body.append([
-            row["label"], f"{row['bytes'] / 1e6:.0f}", us("fp8kv NHD"), us("fp8kv HND"),
-            common.fmt(s.get("fp8kv_graph_us")), common.fmt(s.get("rotated_graph_us")),
-            common.fmt(s.get("rotated_vs_plain"), 2), common.fmt(common.best_us(cols.get(TORCH_COLUMN, {}))),
+            *common.layout_cells(row, row["bytes"], "fp8kv NHD", "fp8kv HND"),
+            common.fmt(common.best_us(cols.get(TORCH_COLUMN, {}))),
             common.fmt(s.get("fp8kv_tb_s"), 2),
             common.fmt(100 * s["fraction_of_copy"] if "fraction_of_copy" in s else None, 0),
             common.fmt(s.get("vs_baseline"), 2), str(s.get("mismatched_bytes", "-")),

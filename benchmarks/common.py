@@ -347,6 +347,27 @@ def targets_text(targets: dict[str, bool | None]) -> str:
 ROTATED = "rot+c"  # the rotated + centred recipe, in target names and table headers
 
 
+# Plot series (label, summary key) that the attention benchmarks share.
+FP8KV_SERIES = ["fp8kv e4m3 (faster storage)", "@fp8kv_best"]
+ROTATED_SERIES = ["fp8kv e4m3 rotated+centred (faster storage)", "@rotated_best"]
+SDPA_SERIES = ["bf16 SDPA (fastest form)", "@sdpa_best"]
+FLASHINFER_SERIES = ["FlashInfer FP8 (fastest)", "@flashinfer_best"]
+
+
+def layout_headers(size: str) -> list[str]:
+    """The first headers of a kernel's table (layout_cells): shape, its size, both layouts, the graph,
+    the rotated + centred recipe and its ratio to the plain one."""
+    return ["shape", size, "NHD us", "HND us", "graph us", f"{ROTATED} us", "xplain"]
+
+
+def layout_cells(row: dict, size_bytes: int, nhd_column: str, hnd_column: str) -> list[str]:
+    """The first cells of a kernel table's row, under layout_headers."""
+    cols, s = row["columns"], row["summary"]
+    us = lambda name: fmt(cols.get(name, {}).get("median_us"))
+    return [row["label"], f"{size_bytes / 1e6:.0f}", us(nhd_column), us(hnd_column), fmt(s.get("fp8kv_graph_us")),
+            fmt(s.get("rotated_graph_us")), fmt(s.get("rotated_vs_plain"), 2)]
+
+
 def rotated_summary(columns: dict, names: Sequence[str], plain_graph_us: float | None) -> dict:
     """The rotated + centred recipe's columns next to the plain recipe's: its faster storage, picked by
     CUDA-graph time (by launch time where no graph ran) as the plain one is, its launch and graph

@@ -6,6 +6,7 @@
 
 #include "../index_checks.h"
 #include "../op_params.h"
+#include "../paged_attention_kernel.h"
 #include "kernels.h"
 
 namespace fp8kv {
@@ -42,23 +43,14 @@ std::vector<int64_t> plan_paged_attention_cpu(const at::Tensor& key_cache, const
   return kCpuPlan;
 }
 
-void paged_attention_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
-                         const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
-                         double logits_soft_cap, bool hadamard, const std::optional<at::Tensor>& k_offset,
-                         bool fp8_math, const std::optional<at::Tensor>& lse, at::OptionalIntArrayRef plan,
-                         const std::optional<at::Tensor>& workspace) {
+void run_paged_attention(const PagedAttentionOperands& operands, const PagedAttentionCall& call) {
   constexpr const char* op = "fp8kv.paged_attention";
-  const PagedAttentionOperands p = paged_attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                                          cu_seqlens_q, softmax_scale, k_scale, v_scale, sliding_window,
-                                                          logits_soft_cap, hadamard, k_offset, fp8_math, lse);
-  refuse_fp8_math(op, fp8_math);
-  if (plan.has_value()) check_plan(op, *plan, kCpuPlan);
-  if (workspace.has_value()) checked_workspace(op, *workspace, 0, query);
-  check_paged_attention_indices(block_tables, seq_lens, cu_seqlens_q, query.size(0), key_cache.size(1),
-                                key_cache.size(0), sliding_window);
-  cpu::paged_attention(p.params, p.lse);
+  refuse_fp8_math(op, call.fp8_math);
+  if (call.plan.has_value()) check_plan(op, *call.plan, kCpuPlan);
+  if (call.workspace.has_value()) checked_workspace(op, *call.workspace, 0, call.query);
+  check_paged_attention_indices(call.block_tables, call.seq_lens, call.cu_seqlens_q, call.query.size(0),
+                                call.key_cache.size(1), call.key_cache.size(0), call.sliding_window);
+  cpu::paged_attention(operands.params, operands.lse);
 }
 
 void merge_attention_states_cpu(at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& out_a,
@@ -74,7 +66,7 @@ void kv_amax_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_a
 
 TORCH_LIBRARY_IMPL(fp8kv, CPU, m) {
   m.impl("reshape_and_cache", &reshape_and_cache_cpu);
-  m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("paged_attention", &paged_attention_kernel<run_paged_attention>);
   m.impl("plan_paged_attention", &plan_paged_attention_cpu);
   m.impl("kv_amax", &kv_amax_cpu);
   m.impl("merge_attention_states", &merge_attention_states_cpu);

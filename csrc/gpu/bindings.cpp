@@ -17,6 +17,7 @@
 
 #include "../index_checks.h"
 #include "../op_params.h"
+#include "../paged_attention_kernel.h"
 #include "kernels.h"
 
 namespace fp8kv {
@@ -66,41 +67,32 @@ std::vector<int64_t> plan_paged_attention_gpu(const at::Tensor& key_cache, const
   return gpu::plan_values(plan);
 }
 
-void paged_attention_gpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                         const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         const std::optional<at::Tensor>& cu_seqlens_q, double softmax_scale,
-                         const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t sliding_window,
-                         double logits_soft_cap, bool hadamard, const std::optional<at::Tensor>& k_offset,
-                         bool fp8_math, const std::optional<at::Tensor>& lse, at::OptionalIntArrayRef plan,
-                         const std::optional<at::Tensor>& workspace) {
+void run_paged_attention(const PagedAttentionOperands& operands, const PagedAttentionCall& call) {
   constexpr const char* op = "fp8kv.paged_attention";
-  const PagedAttentionOperands operands = paged_attention_params(
-      out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale, k_scale, v_scale,
-      sliding_window, logits_soft_cap, hadamard, k_offset, fp8_math, lse);
   const PagedAttentionParams& p = operands.params;
-  const int request = planned_request(plan);
-  TORCH_CHECK(request >= 0, op, ": `plan` must be fp8kv.plan_paged_attention's answer, got ", *plan);
+  const int request = planned_request(call.plan);
+  TORCH_CHECK(request >= 0, op, ": `plan` must be fp8kv.plan_paged_attention's answer, got ", *call.plan);
   const std::string unsupported = gpu::paged_attention_unsupported(p, request);
   TORCH_CHECK(unsupported.empty(), op, ": on ", gpu::kBackend, ", ", unsupported);
   if (debug_checks_enabled()) {
-    check_paged_attention_indices(block_tables, seq_lens, cu_seqlens_q, query.size(0), key_cache.size(1),
-                                  key_cache.size(0), sliding_window);
+    check_paged_attention_indices(call.block_tables, call.seq_lens, call.cu_seqlens_q, call.query.size(0),
+                                  call.key_cache.size(1), call.key_cache.size(0), call.sliding_window);
   }
-  const c10::DeviceGuard guard(query.device());
+  const c10::DeviceGuard guard(call.query.device());
   // A given plan is checked against this call's own (host arithmetic on cached device facts): a plan
   // made for other sizes would size the grid and the workspace wrongly.
   gpu::AttentionPlan planned{};
-  check_launch(op, gpu::plan_paged_attention(p, lse.has_value(), request, &planned));
-  if (plan.has_value()) check_plan(op, *plan, gpu::plan_values(planned));
+  check_launch(op, gpu::plan_paged_attention(p, call.lse, request, &planned));
+  if (call.plan.has_value()) check_plan(op, *call.plan, gpu::plan_values(planned));
   at::Tensor allocated;
-  void* workspace_data = nullptr;
-  if (workspace.has_value()) {
-    workspace_data = checked_workspace(op, *workspace, planned.workspace_bytes, query);
+  void* workspace = nullptr;
+  if (call.workspace.has_value()) {
+    workspace = checked_workspace(op, *call.workspace, planned.workspace_bytes, call.query);
   } else {
-    allocated = at::empty({planned.workspace_bytes}, query.options().dtype(at::kByte));
-    workspace_data = allocated.data_ptr();
+    allocated = at::empty({planned.workspace_bytes}, call.query.options().dtype(at::kByte));
+    workspace = allocated.data_ptr();
   }
-  check_launch(op, gpu::paged_attention(p, operands.lse, planned, workspace_data, current_stream(query.device())));
+  check_launch(op, gpu::paged_attention(p, operands.lse, planned, workspace, current_stream(call.query.device())));
 }
 
 void merge_attention_states_gpu(at::Tensor& out, const std::optional<at::Tensor>& lse, const at::Tensor& out_a,
@@ -120,7 +112,7 @@ void kv_amax_gpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_a
 
 TORCH_LIBRARY_IMPL(fp8kv, CUDA, m) {
   m.impl("reshape_and_cache", &reshape_and_cache_gpu);
-  m.impl("paged_attention", &paged_attention_gpu);
+  m.impl("paged_attention", &paged_attention_kernel<run_paged_attention>);
   m.impl("plan_paged_attention", &plan_paged_attention_gpu);
   m.impl("kv_amax", &kv_amax_gpu);
   m.impl("merge_attention_states", &merge_attention_states_gpu);
