@@ -1,4 +1,4 @@
-"""Seeded fuzzer for fp8kv's three ops: no input may crash, hang, or write outside its tensors, and a
+"""Seeded fuzzer for fp8kv's three ops (paged attention planned or not): no input may crash, hang, or write outside its tensors, and a
 refused input gets a message naming one of the op's arguments.
 
 A case is a valid call (random shapes, formats, layouts, strides) with one to three random changes
@@ -39,10 +39,10 @@ ARGUMENTS = {
                           "k_offset"),
     "paged_attention": ("out", "query", "key_cache", "value_cache", "block_tables", "seq_lens", "cu_seqlens_q",
                         "softmax_scale", "k_scale", "v_scale", "sliding_window", "logits_soft_cap", "hadamard",
-                        "k_offset"),
+                        "k_offset", "fp8_math", "lse", "plan", "workspace"),
     "kv_amax": ("key", "value", "k_amax", "v_amax"),
 }
-OUTPUTS = {"reshape_and_cache": ("key_cache", "value_cache"), "paged_attention": ("out",),
+OUTPUTS = {"reshape_and_cache": ("key_cache", "value_cache"), "paged_attention": ("out", "lse", "workspace"),
            "kv_amax": ("k_amax", "v_amax")}
 CASE_SECONDS = 20.0  # per child; generous for a loaded 2-core machine, far below a hang
 
@@ -189,12 +189,20 @@ def valid_paged_attention(g: Guarded, rng) -> dict:
     for q in q_lens:
         cu.append(cu[-1] + q)
     k_scale, v_scale = scales(g, rng, heads)
-    return dict(out=out, query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+    args = dict(out=out, query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                 seq_lens=g.tensor([num_seqs], torch.int32, torch.tensor(seq_lens, dtype=torch.int32)),
                 cu_seqlens_q=None if decode else g.tensor([num_seqs + 1], torch.int32, torch.tensor(cu, dtype=torch.int32)),
                 softmax_scale=head_size ** -0.5, k_scale=k_scale, v_scale=v_scale,
                 sliding_window=rng.choice((-1, -1, 1, 5, 40)), logits_soft_cap=rng.choice((0.0, 0.0, 30.0)),
-                **transform(g, rng, heads, head_size, cache_dtype))
+                **transform(g, rng, heads, head_size, cache_dtype), fp8_math=False,
+                lse=g.randn([rows, heads * group], torch.float32) if rng.random() < 0.3 else None,
+                plan=None, workspace=None)
+    if rng.random() < 0.5:  # planned once, as for a step's layers
+        args["plan"] = torch.ops.fp8kv.plan_paged_attention(
+            key_cache, block_tables, args["cu_seqlens_q"], rows, heads * group, args["sliding_window"], False,
+            args["lse"] is not None)
+        args["workspace"] = g.tensor([args["plan"][0]], torch.uint8, torch.zeros(args["plan"][0], dtype=torch.uint8))
+    return args
 
 
 def valid_kv_amax(g: Guarded, rng) -> dict:
@@ -285,8 +293,15 @@ def change_values(g, rng, args, name):
 
 
 def change_scalar(g, rng, args, name):
-    if name == "hadamard":
+    if name in ("hadamard", "fp8_math"):
         args[name] = not args[name]
+    elif name == "plan" and args[name] is not None:
+        plan = list(args[name])
+        if plan and rng.random() < 0.7:
+            plan[rng.randrange(len(plan))] = rng.choice(EXTREME_INTS)
+        else:
+            plan = plan[:rng.randrange(len(plan) + 1)]
+        args[name] = plan
     elif name == "sliding_window":
         args[name] = rng.choice(EXTREME_INTS)
     elif name in ("softmax_scale", "logits_soft_cap"):
@@ -294,7 +309,7 @@ def change_scalar(g, rng, args, name):
 
 
 def change_none(g, rng, args, name):
-    if name in ("cu_seqlens_q", "k_offset"):
+    if name in ("cu_seqlens_q", "k_offset", "lse", "plan", "workspace"):
         args[name] = None
 
 
