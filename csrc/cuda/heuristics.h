@@ -63,7 +63,7 @@ inline bool decode_takes_queries(const PagedAttentionParams& p) {
 }
 
 // The multi-token kernel that runs p where the decode kernel does not: the sm_90a kernel in p's math
-// where it runs (with fp8_math it does: paged_attention_unsupported checked), else the sm80 kernel.
+// where it runs (with fp8_math it does: plan_unsupported checked), else the sm80 kernel.
 inline AttentionKernel multi_token_kernel(const PagedAttentionParams& p, const DeviceFacts& device) {
   if (p.fp8_math) return AttentionKernel::kMultiTokenSm90aFp8Math;
   return sm90a_kernel_runs(p.head_size, device) ? AttentionKernel::kMultiTokenSm90a : AttentionKernel::kMultiTokenSm80;
@@ -206,7 +206,7 @@ inline SplitBounds decode_split_bounds(const PagedAttentionParams& p) {
 // Decode's splits: the count nearest kDecodeItemsPerSm items per SM, raised where that keeps less
 // than kDecodeBytesInFlight in flight (as far as the items stay one wave of kDecodeCtasPerSm CTAs
 // per SM), within decode_split_bounds. None when the table needs more splits than the merge takes
-// (refused by paged_attention_unsupported).
+// (refused by plan_unsupported).
 inline std::optional<Splits> decode_splits(const PagedAttentionParams& p, const DeviceFacts& device) {
   const int64_t target_items = static_cast<int64_t>(device.multiprocessors) * kDecodeItemsPerSm;
   const int64_t row_items = std::max<int64_t>(1, decode_row_chunks(p) * p.num_kv_heads);  // items per split

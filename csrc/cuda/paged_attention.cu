@@ -57,7 +57,7 @@ cudaError_t plan_decode(const PagedAttentionParams& p, bool lse, const DeviceFac
   plan.row_chunks = decode_row_chunk_bound(p);
   plan.sequence_table_bytes = p.cu_seqlens_q == nullptr ? 0 : decode::sequence_table_bytes(p.num_seqs);
   std::optional<Splits> splits = decode_splits(p, device);
-  if (!splits) return cudaErrorInvalidValue;  // refused by paged_attention_unsupported
+  if (!splits) return cudaErrorInvalidValue;  // refused by plan_unsupported
   if (lse) splits = at_least_two(*splits, decode::kTileGroup);
   plan.num_splits = splits->count, plan.split_tokens = splits->tokens;
   if (plan.row_chunks * plan.num_splits * p.num_kv_heads > INT32_MAX) return cudaErrorInvalidValue;
