@@ -530,6 +530,6 @@ def check_program(command: list[str], prog: str, cases) -> None:
 def test_ops_module_lists_only_the_ops():
     import fp8kv.ops
 
-    assert dir(fp8kv.ops) == ["check_cache_write_indices", "check_paged_attention_indices", "kv_amax",
-                              "merge_attention_states", "paged_attention", "reshape_and_cache"]
+    assert dir(fp8kv.ops) == ["AttentionPlan", "check_cache_write_indices", "check_paged_attention_indices", "kv_amax",
+                              "merge_attention_states", "paged_attention", "plan_paged_attention", "reshape_and_cache"]
     assert all(callable(getattr(fp8kv.ops, name)) for name in fp8kv.ops.__all__)
