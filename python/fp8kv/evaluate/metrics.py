@@ -63,14 +63,14 @@ class LogitScores:
             raise ValueError(f"logits must be shaped as the reference's {list(reference.logits.shape)}, got "
                              f"{list(logits.shape)}")
         for rows in reference.chunks:
-            z_q, z_p = logits[rows].double(), reference.logits[rows].double()
+            z_q, z_p = logits[rows].double(), reference.logits[rows]  # z_p promotes to float64 in each use
             lse_q, lse_p = z_q.logsumexp(-1), reference.log_normalizer[rows]
             q_target = z_q.gather(1, reference.targets[rows, None])[:, 0] - lse_q
             p_target = reference.target_log_prob[rows]
             p = (z_p - lse_p[:, None]).exp_()
             # KL(p || q) = sum p (log p - log q) = sum p (z_p - z_q) - (lse_p - lse_q): the logits'
             # difference first, so identical logits give exactly 0.
-            kl = p.mul_(z_p.sub_(z_q)).sum(-1) - (lse_p - lse_q)
+            kl = p.mul_(z_p - z_q).sum(-1) - (lse_p - lse_q)
             self.nll = self.nll - q_target.sum()
             self.reference_nll = self.reference_nll - p_target.sum()
             self.squared_difference = self.squared_difference + (p_target - q_target).square().sum()
