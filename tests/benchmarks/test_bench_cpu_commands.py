@@ -59,6 +59,7 @@ def test_quick_run_on_the_tiny_model(tmp_path):
     assert payload["repeats"] == 1
     for row in payload["rows"]:
         assert row["forwards_s"] > 0 and row["command_s"] > 0 and len(row["runs"]) == 1
+        assert len(row["runs"][0]["load_average"]) == 3
         assert row["ratio"] == pytest.approx(row["command_s"] / row["forwards_s"])
         assert row["pass"] == (row["ratio"] <= bench.MAX_RATIO)
     assert "model: tiny random-weight Llama\n" in result.stdout
