@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import os
 import pathlib
-import platform
 import time
 from typing import Callable
 
@@ -173,18 +172,6 @@ def verdict_line(rows: list[dict]) -> str:
         f"{', '.join(failed)})"
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def load_average() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="shorter contexts and timing budget")
@@ -196,22 +183,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     budget_s = QUICK_BUDGET_S if args.quick else BUDGET_S
     torch.set_num_threads(args.threads)
     ops, ops_reason = common.load_fp8kv(require_cuda=False)
-    load_before = load_average()
+    load_before = common.load_average()
     print(f"fp8kv: {ops_reason}")
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} logical CPUs; torch {torch.__version__} on {torch.get_num_threads()} "
-          f"threads ({torch.backends.cpu.get_cpu_capability()}); load average before: {load_before}")
+    print(f"CPU: {common.cpu_name()}, {os.cpu_count()} logical CPUs; torch {torch.__version__} on "
+          f"{torch.get_num_threads()} threads ({torch.backends.cpu.get_cpu_capability()}); load average before: "
+          f"{load_before}")
     rows = []
     for index, shape in enumerate(shapes):
         rows.append(measure_shape(shape, ops, ops_reason, seed=index, timer=lambda fn: time_call(fn, budget_s)))
         print(f"[{index + 1}/{len(shapes)}] {shape.label}", flush=True)
-    load_after = load_average()
+    load_after = common.load_average()
     print(table(rows))
     print(f"load average (1, 5, 15 min) before: {load_before}, after: {load_after}")
     print(verdict_line(rows))
     print(common.errors_text(rows))
     if args.json:
         common.write_json({"benchmark": "cpu_attention", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                           "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                           "cpu": common.cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                            "fp8kv": ops_reason, "load_average_before": load_before, "load_average_after": load_after,
                            "rows": rows}, args.json)
         print(f"wrote {args.json}")

@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 import pathlib
 import platform
 import re
@@ -418,6 +419,19 @@ def errors_text(rows: list[dict]) -> str:
             elif "error" in column.get("graph", {}):
                 lines.append(f"  {row['label']} / {name} (CUDA graph): {column['graph']['error']}")
     return "columns that did not run:\n" + "\n".join(lines) if lines else ""
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def load_average() -> list[float]:
+    """The system's load average over 1, 5 and 15 minutes: other processes skew CPU times."""
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def write_json(payload: dict, path: pathlib.Path) -> None:

@@ -4,8 +4,10 @@ files, calibrate_checkpoint (all of it at once), and the CLI. Tensor-parallel re
 test_calibration_tp.py."""
 
 import contextlib
+import errno
 import json
 import math
+import os
 import struct
 import sys
 import warnings
@@ -28,6 +30,7 @@ from fp8kv import cli  # noqa: E402
 from fp8kv.calibration import (CalibrationError, KVAmax, KVCalibrator, calibrate, calibrate_checkpoint,  # noqa: E402
                                export_checkpoint, export_legacy_json, make_batches, observe_model, text_sequences,
                                token_id_sequences)
+from fp8kv.calibration import export as exporting  # noqa: E402
 from fp8kv.checkpoint import CheckpointError, load_kv_cache_config  # noqa: E402
 from fp8kv.formats import KVCacheConfig, KVCacheDtype  # noqa: E402
 from fp8kv.integrations.transformers import enable  # noqa: E402
@@ -391,9 +394,20 @@ def test_export_refusals(tmp_path):
         assert not (tmp_path / name).exists()
 
 
-def test_single_file_rewrite_keeps_every_tensor_byte_for_byte_and_aligned(tmp_path):
+@pytest.mark.parametrize("copy", ["sendfile", "python"])
+def test_single_file_rewrite_keeps_every_tensor_byte_for_byte_and_aligned(tmp_path, monkeypatch, copy):
     """Odd-sized tensors of narrow dtypes end the data (42 bytes past the float32 weights: scales
-    appended there would be misaligned); no tensor may lose its alignment, and no old byte may change."""
+    appended there would be misaligned); no tensor may lose its alignment, and no old byte may change.
+    The old data is copied by os.sendfile, or through Python where sendfile refuses files (macOS)."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args)
+        if copy == "python":
+            raise OSError(errno.ENOTSOCK, "Socket operation on non-socket")
+        return os.sendfile(*args)
+
+    monkeypatch.setattr(exporting, "_sendfile", counted)
     odd = {"extra.f64": torch.randn(3, dtype=torch.float64), "extra.bf16": torch.randn(5).bfloat16(),
            "extra.flags": torch.tensor([True, False, True]), "extra.i8": torch.arange(5, dtype=torch.int8)}
     source = write_checkpoint(tmp_path / "source", tensors=odd)
@@ -412,6 +426,7 @@ def test_single_file_rewrite_keeps_every_tensor_byte_for_byte_and_aligned(tmp_pa
     for name, tensor in before.items():
         assert after[name].dtype == tensor.dtype
         assert torch.equal(after[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert len(calls) == (1 if copy == "python" else 2)  # the data in one call, then 0 bytes: the end
 
 
 def test_module_names_come_from_the_weights_or_the_caller(tmp_path):

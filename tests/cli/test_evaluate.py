@@ -58,15 +58,16 @@ def float64_scores(logits: np.ndarray, reference: np.ndarray, targets: np.ndarra
                 top1=float((logits.argmax(-1) == reference.argmax(-1)).mean()))
 
 
-def test_logit_scores_match_float64_reference():
-    # 600 rows: several of LogitScores' 256-row chunks, added in two calls (two windows).
+def test_logit_scores_match_float64_reference(monkeypatch):
+    # 600 rows in chunks of 64 (the last of each call partial), added in two calls (two windows).
+    monkeypatch.setattr(ev.metrics, "_CPU_CHUNK_ELEMENTS", 64 * 11)
     generator = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(600, 11, generator=generator)
     reference = logits + 0.5 * torch.randn(600, 11, generator=generator)
     targets = torch.randint(0, 11, (600,), generator=generator)
     scores = ev.LogitScores()
-    scores.add(logits[:250], reference[:250], targets[:250])
-    scores.add(logits[250:], reference[250:], targets[250:])
+    scores.add(logits[:250], ev.ReferenceLogits(reference[:250], targets[:250]))
+    scores.add(logits[250:], ev.ReferenceLogits(reference[250:], targets[250:]))
     expected = float64_scores(logits.numpy(), reference.numpy(), targets.numpy())
     assert scores.count == 600
     # float64 sums of 600 terms: agreement to ~1e-15 relative; 1e-12 leaves room for summation order.
@@ -79,6 +80,50 @@ def test_logit_scores_match_float64_reference():
     difference = (torch.log_softmax(reference.double(), -1) - torch.log_softmax(logits.double(), -1)).numpy()[
         rows, targets.numpy()]
     assert scores.perplexity_noise == pytest.approx(math.expm1(2 * difference.std(ddof=1) / math.sqrt(600)), rel=1e-9)
+
+
+def test_reference_logits_per_row_match_float64(monkeypatch):
+    monkeypatch.setattr(ev.metrics, "_CPU_CHUNK_ELEMENTS", 16 * 50)  # 16 rows a chunk: 3 chunks, one partial
+    generator = torch.Generator().manual_seed(2)
+    logits = (4 * torch.randn(40, 50, generator=generator)).bfloat16()
+    targets = torch.randint(0, 50, (40,), generator=generator)
+    reference = ev.ReferenceLogits(logits, targets)
+    assert reference.chunks == [slice(0, 16), slice(16, 32), slice(32, 48)]
+    z = logits.double().numpy()
+    top = z.max(-1, keepdims=True)
+    lse = (top + np.log(np.exp(z - top).sum(-1, keepdims=True)))[:, 0]
+    assert reference.log_normalizer.dtype == torch.float64
+    np.testing.assert_allclose(reference.log_normalizer.numpy(), lse, rtol=1e-14)
+    np.testing.assert_allclose(reference.target_log_prob.numpy(), z[np.arange(40), targets.numpy()] - lse,
+                               rtol=1e-13, atol=1e-14)
+    assert reference.top1.tolist() == z.argmax(-1).tolist()
+    with pytest.raises(ValueError, match=r"logits must be \[tokens, vocab\] and targets \[tokens\], got shapes "
+                       r"\[40, 50\] and \[39\]"):
+        ev.ReferenceLogits(logits, targets[1:])
+    with pytest.raises(ValueError, match=r"logits must be shaped as the reference's \[40, 50\], got \[40, 49\]"):
+        ev.LogitScores().add(logits[:, 1:], reference)
+
+
+def test_identical_logits_score_exactly_zero_kl_in_every_chunk(monkeypatch):
+    # A cache whose logits equal the model's, bit for bit: KL exactly 0 and the model's perplexity,
+    # however the rows are chunked (the per-row values of both come from the same chunks).
+    generator = torch.Generator().manual_seed(3)
+    logits = (5 * torch.randn(70, 300, generator=generator)).bfloat16()
+    targets = torch.randint(0, 300, (70,), generator=generator)
+    for rows in (1, 16, 70):
+        monkeypatch.setattr(ev.metrics, "_CPU_CHUNK_ELEMENTS", rows * 300)
+        scores = ev.LogitScores()
+        scores.add(logits.clone(), ev.ReferenceLogits(logits, targets))
+        assert scores.mean_kl == 0.0 and scores.top1 == 1.0 and scores.perplexity_noise == 0.0
+        assert scores.perplexity == scores.reference_perplexity
+
+
+def test_logit_chunks_cover_every_row_once():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    chunks = ev.metrics.logit_chunks(100, (1 << 20) // 30, cpu)  # 30 rows a chunk on the CPU
+    assert chunks == [slice(0, 30), slice(30, 60), slice(60, 90), slice(90, 120)]
+    assert ev.metrics.logit_chunks(3, 1 << 22, cpu) == [slice(0, 1), slice(1, 2), slice(2, 3)]  # a row at least
+    assert ev.metrics.logit_chunks(600, 128_256, cuda) == [slice(0, 256), slice(256, 512), slice(512, 768)]
 
 
 def result_with_noise(noise: float, tokens: int) -> ev.EvaluationResult:
@@ -101,11 +146,11 @@ def test_a_small_sample_says_which_changes_are_noise():
 def test_logit_scores_of_known_distributions():
     # Uniform predictions: perplexity is exactly the vocabulary size. Identical logits: KL 0, top-1 1.
     scores = ev.LogitScores()
-    scores.add(torch.zeros(5, 7), torch.zeros(5, 7), torch.arange(5))
+    scores.add(torch.zeros(5, 7), ev.ReferenceLogits(torch.zeros(5, 7), torch.arange(5)))
     assert scores.perplexity == pytest.approx(7.0, rel=1e-14) and scores.mean_kl == 0.0 and scores.top1 == 1.0
     logits = torch.tensor([[0.0, math.log(3.0)]], dtype=torch.float64)  # q = (1/4, 3/4); p = (1/2, 1/2)
     scores = ev.LogitScores()
-    scores.add(logits, torch.zeros(1, 2), torch.tensor([1]))
+    scores.add(logits, ev.ReferenceLogits(torch.zeros(1, 2), torch.tensor([1])))
     assert scores.perplexity == pytest.approx(4 / 3, rel=1e-14)
     assert scores.mean_kl == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3), rel=1e-14)
     assert scores.top1 == 0.0  # argmax 1 vs argmax 0 (ties take the first index)

@@ -31,6 +31,7 @@ from ..rotation import Rotation
 SCALES_FILE = "kv_cache_scales.safetensors"
 SINGLE_FILE = "model.safetensors"
 _STRATEGIES = {"tensor": "tensor", "head": "attn_head"}
+_sendfile = getattr(os, "sendfile", None)  # absent on Windows
 
 
 def export_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, kv_cache: KVCacheConfig, *,
@@ -202,9 +203,26 @@ def _write_safetensors(path: pathlib.Path, tensors: dict[str, torch.Tensor], bas
         out.write(struct.pack("<Q", len(encoded)) + encoded)
         out.writelines(blobs)
         if base is not None:
-            with open(base, "rb") as f:
-                f.seek(data_start)
-                shutil.copyfileobj(f, out, 1 << 24)
+            _append_file(out, base, data_start)
+
+
+def _append_file(out, path: pathlib.Path, start: int) -> None:
+    """Appends the bytes of the file `path` from `start` on to the open file `out`: in the kernel
+    (os.sendfile; a checkpoint's weights are gigabytes, copied through Python several times slower)
+    where it copies between files, else through Python."""
+    out.flush()
+    offset = start
+    with open(path, "rb") as f:
+        if _sendfile is not None:
+            try:
+                while sent := _sendfile(out.fileno(), f.fileno(), offset, 1 << 30):
+                    offset += sent
+                return
+            except OSError:  # not between files (macOS)
+                if offset != start:  # it did copy: a real error
+                    raise
+        f.seek(start)
+        shutil.copyfileobj(f, out, 1 << 24)
 
 
 def _copied_entries(path: pathlib.Path) -> tuple[dict, int]:

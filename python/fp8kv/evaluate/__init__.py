@@ -36,8 +36,8 @@ metrics (the scores and the loop measuring them), results, rescale, plot. The co
 """
 
 from .caches import CACHES, SOURCES, UNQUANTIZED, cache_name, kv_cache_configs, label, per_tensor
-from .metrics import (AttentionOutputs, EvaluationInterrupted, LayerErrors, LogitScores, attention_modules,
-                      evaluate_model)
+from .metrics import (AttentionOutputs, EvaluationInterrupted, LayerErrors, LogitScores, ReferenceLogits,
+                      attention_modules, evaluate_model)
 from .pipeline import (DTYPES, check_options, environment, evaluate, load_model, model_directory, prepare,
                        token_windows)
 from .plot import plot_layer_errors
@@ -54,6 +54,7 @@ __all__ = [
     "CacheResult",
     "EvaluationResult",
     "LogitScores",
+    "ReferenceLogits",
     "LayerErrors",
     "attention_modules",
     "AttentionOutputs",

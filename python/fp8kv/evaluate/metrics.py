@@ -12,14 +12,45 @@ from ..formats import KVCacheConfig
 from .caches import fp8_math, label
 from .results import CacheResult, EvaluationResult
 
-_LOGIT_ROWS = 256  # rows of logits turned into float64 distributions at a time (memory bound)
+# Rows of logits turned into float64 at a time. On a CPU, a chunk's float64 copies stay within the
+# processor's caches (as many rows as about 8 MiB of them), so the several passes over a chunk read
+# the cache rather than memory, and no allocation is large enough to be handed back to the system
+# and faulted in again each time; on a GPU, 256 rows bound the float64 temporaries' memory.
+_CPU_CHUNK_ELEMENTS = 1 << 20
+_GPU_CHUNK_ROWS = 256
+
+
+def logit_chunks(rows: int, vocab: int, device: torch.device) -> list[slice]:
+    """The row slices of [rows, vocab] logits that the scores take one at a time."""
+    step = max(1, _CPU_CHUNK_ELEMENTS // vocab) if device.type == "cpu" else _GPU_CHUNK_ROWS
+    return [slice(start, start + step) for start in range(0, rows, step)]
+
+
+class ReferenceLogits:
+    """The model's own logits [tokens, vocab] over one window and the `targets` [tokens] they predict,
+    with what every cache's scores need of them per row computed once per window rather than once
+    per cache: the log-normalizer logsumexp(z), the most likely token and the target's
+    log-probability, in float64, chunk by chunk (logit_chunks)."""
+
+    def __init__(self, logits: torch.Tensor, targets: torch.Tensor):
+        if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+            raise ValueError(f"logits must be [tokens, vocab] and targets [tokens], got shapes {list(logits.shape)} "
+                             f"and {list(targets.shape)}")
+        self.logits, self.targets = logits, targets
+        self.chunks = logit_chunks(*logits.shape, logits.device)
+        log_normalizer, top1, target_log_prob = [], [], []
+        for rows in self.chunks:
+            z = logits[rows].double()
+            log_normalizer.append(z.logsumexp(-1))
+            top1.append(z.argmax(-1))
+            target_log_prob.append(z.gather(1, targets[rows, None])[:, 0] - log_normalizer[-1])
+        self.log_normalizer, self.top1, self.target_log_prob = map(torch.cat, (log_normalizer, top1, target_log_prob))
 
 
 class LogitScores:
     """Running sums over predicted tokens, in float64 on the logits' device (no host sync per window).
 
-    add(logits, reference, targets): the cache's and the model's logits [tokens, vocab] predicting
-    `targets` [tokens].
+    add(logits, reference): the cache's logits [tokens, vocab] against the model's own (ReferenceLogits).
     """
 
     def __init__(self):
@@ -27,18 +58,25 @@ class LogitScores:
         self.squared_difference = 0.0  # of each token's log-likelihood, the model's minus the cache's
         self.count = 0
 
-    def add(self, logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor) -> None:
-        for start in range(0, targets.numel(), _LOGIT_ROWS):
-            rows = slice(start, start + _LOGIT_ROWS)
-            log_q, log_p = logits[rows].double().log_softmax(-1), reference[rows].double().log_softmax(-1)
-            target = targets[rows, None]
-            q_target, p_target = log_q.gather(1, target), log_p.gather(1, target)
+    def add(self, logits: torch.Tensor, reference: ReferenceLogits) -> None:
+        if logits.shape != reference.logits.shape:
+            raise ValueError(f"logits must be shaped as the reference's {list(reference.logits.shape)}, got "
+                             f"{list(logits.shape)}")
+        for rows in reference.chunks:
+            z_q, z_p = logits[rows].double(), reference.logits[rows]  # z_p promotes to float64 in each use
+            lse_q, lse_p = z_q.logsumexp(-1), reference.log_normalizer[rows]
+            q_target = z_q.gather(1, reference.targets[rows, None])[:, 0] - lse_q
+            p_target = reference.target_log_prob[rows]
+            p = (z_p - lse_p[:, None]).exp_()
+            # KL(p || q) = sum p (log p - log q) = sum p (z_p - z_q) - (lse_p - lse_q): the logits'
+            # difference first, so identical logits give exactly 0.
+            kl = p.mul_(z_p - z_q).sum(-1) - (lse_p - lse_q)
             self.nll = self.nll - q_target.sum()
             self.reference_nll = self.reference_nll - p_target.sum()
             self.squared_difference = self.squared_difference + (p_target - q_target).square().sum()
-            self.kl = self.kl + (log_p.exp() * (log_p - log_q)).sum()
-            self.agree = self.agree + (logits[rows].argmax(-1) == reference[rows].argmax(-1)).sum()
-        self.count += targets.numel()
+            self.kl = self.kl + kl.sum()
+            self.agree = self.agree + (z_q.argmax(-1) == reference.top1[rows]).sum()
+        self.count += reference.targets.numel()
 
     @property
     def perplexity(self) -> float:
@@ -182,14 +220,14 @@ def evaluate_model(model, windows: torch.Tensor, kv_caches: dict[str, KVCacheCon
                 targets = ids[0, 1:]
                 outputs.record()
                 model.set_attn_implementation("sdpa")
-                reference = model(input_ids=ids, use_cache=True).logits[0, :-1]
+                reference = ReferenceLogits(model(input_ids=ids, use_cache=True).logits[0, :-1], targets)
                 bar.update()
                 enable(model)
                 for position, (name, kv_cache) in enumerate(kv_caches.items()):
                     outputs.compare(layer_errors[name])
                     cache = PagedCache(kv_cache, max_tokens=ids.shape[1], fp8_math=fp8_math(name))
                     logits = model(input_ids=ids, **cache_argument(model, cache)).logits[0, :-1]
-                    logit_scores[name].add(logits, reference, targets)
+                    logit_scores[name].add(logits, reference)
                     bar.update()
                     if last and on_row is not None:
                         on_row(result(names[:position + 1], len(windows)))
