@@ -36,6 +36,7 @@ import pathlib
 import shutil
 import tempfile
 import time
+import typing
 
 import torch
 
@@ -44,11 +45,11 @@ import common
 MAX_RATIO = 1.5
 CACHES = ("e4m3-plain", "e4m3-plain-head", "e4m3")  # besides `auto`: scale 1, calibrated, the rotated recipe
 REPEATS = 3
-TINY_WORDS = 512
 
 
-@dataclasses.dataclass(frozen=True)
-class Setting:
+class Setting(typing.NamedTuple):
+    """The tokens each command runs over."""
+
     calibrate_seq_len: int
     calibrate_tokens: int
     evaluate_seq_len: int
@@ -65,6 +66,9 @@ class Model:
     checkpoint: pathlib.Path
     data: tuple[pathlib.Path, ...]  # text files: evaluate takes them all, calibrate their concatenation
     why: str = ""  # why this model ran instead of the one asked for
+
+
+TINY_WORDS = 512  # the tiny model's vocabulary
 
 
 def tiny_model(directory: pathlib.Path) -> Model:
@@ -244,7 +248,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         common.write_json({"benchmark": "cpu_commands", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                            "cpu": common.cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                            "model": model.name, "model_instead_of": model.why or None, "quick": args.quick,
-                           "repeats": repeats, "setting": dataclasses.asdict(setting), "caches": list(CACHES),
+                           "repeats": repeats, "setting": setting._asdict(), "caches": list(CACHES),
                            "load_average_before": load_before, "load_average_after": load_after, "rows": rows},
                           args.json)
         print(f"wrote {args.json}")
