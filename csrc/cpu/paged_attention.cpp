@@ -49,32 +49,41 @@ class Buffer {
 };
 
 // Cache positions [begin, end) of one KV head, dequantized without the scale (folded into the logits or
-// the output): element d of position begin + i goes to dst[i * token_stride + d * dim_stride].
+// the output): element d of position begin + i goes to dst[i * token_stride + d * dim_stride]. A
+// transposing load (dim_stride > 1, the keys' K^T) walks dims outermost, so its stores are consecutive
+// and the tile's rows stay in L1 across the dims.
 void load_tile(const PagedAttentionParams& p, const CacheView& cache, const int32_t* block_table, int kv_head,
                int begin, int end, float* dst, int64_t token_stride, int64_t dim_stride) {
   const int64_t elem_bytes = dtype_bytes(p.cache_dtype);
-  auto row_of = [&](int position) {
-    const int64_t block = block_table[position / p.block_size];
-    const int64_t offset = position % p.block_size;
-    return static_cast<const uint8_t*>(cache.data) +
-           (block * cache.block_stride + offset * cache.token_stride + kv_head * cache.head_stride) * elem_bytes;
+  const int count = end - begin;
+  const uint8_t* rows[kKeyTile];
+  for (int i = 0; i < count; ++i) {
+    const int64_t block = block_table[(begin + i) / p.block_size];
+    const int64_t offset = (begin + i) % p.block_size;
+    rows[i] = static_cast<const uint8_t*>(cache.data) +
+              (block * cache.block_stride + offset * cache.token_stride + kv_head * cache.head_stride) * elem_bytes;
+  }
+  auto convert = [&](auto to_float) {
+    if (dim_stride == 1) {
+      for (int i = 0; i < count; ++i) {
+        float* out = dst + i * token_stride;
+        for (int d = 0; d < p.head_size; ++d) out[d] = to_float(rows[i], d);
+      }
+    } else {
+      for (int d = 0; d < p.head_size; ++d) {
+        float* out = dst + d * dim_stride;
+        for (int i = 0; i < count; ++i) out[i * token_stride] = to_float(rows[i], d);
+      }
+    }
   };
   if (is_fp8(p.cache_dtype)) {
     const float* table = fp8_table(p.cache_dtype);
-    for (int i = 0; i < end - begin; ++i) {
-      const uint8_t* row = row_of(begin + i);
-      float* out = dst + i * token_stride;
-      for (int d = 0; d < p.head_size; ++d) out[d * dim_stride] = table[row[d]];
-    }
+    convert([table](const uint8_t* row, int d) { return table[row[d]]; });
     return;
   }
   dispatch_source_dtype(p.cache_dtype, [&](auto type) {
     using T = Element<decltype(type)::value>;
-    for (int i = 0; i < end - begin; ++i) {
-      const auto* row = reinterpret_cast<const typename T::Storage*>(row_of(begin + i));
-      float* out = dst + i * token_stride;
-      for (int d = 0; d < p.head_size; ++d) out[d * dim_stride] = T::to_float(row[d]);
-    }
+    convert([](const uint8_t* row, int d) { return T::to_float(reinterpret_cast<const typename T::Storage*>(row)[d]); });
   });
 }
 
