@@ -159,7 +159,7 @@ def host_rows(device: torch.device) -> list[dict]:
     return [{"call": name, "host_us": host_us(call, device)} for name, call in rows]
 
 
-def step_ms(step, device: torch.device) -> float:
+def step_ms(step) -> float:
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -173,7 +173,7 @@ def step_ms(step, device: torch.device) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def graph_ms(step, device: torch.device) -> float | None:
+def graph_ms(step) -> float | None:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -186,7 +186,7 @@ def graph_ms(step, device: torch.device) -> float | None:
     except RuntimeError as exc:
         print(f"  (no graph: {str(exc).splitlines()[0][:120]})", flush=True)
         return None
-    return step_ms(graph.replay, device)
+    return step_ms(graph.replay)
 
 
 def launches_per_layer(step, layers: int) -> float:
@@ -220,8 +220,8 @@ def step_rows(shapes, device: torch.device) -> list[dict]:
                 if prepare is not None:
                     prepare()
                 try:
-                    row = {"shape": label, "subject": name + suffix, "eager_ms": step_ms(subject.step, device),
-                           "graph_ms": graph_ms(subject.step, device),
+                    row = {"shape": label, "subject": name + suffix, "eager_ms": step_ms(subject.step),
+                           "graph_ms": graph_ms(subject.step),
                            "launches_per_layer": launches_per_layer(subject.step, LAYERS)}
                 except RuntimeError as exc:
                     print(f"  {label} {name}: {str(exc).splitlines()[0][:160]}", flush=True)

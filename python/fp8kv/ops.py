@@ -86,6 +86,8 @@ class AttentionPlan:
         the backend's other fields] (torch.ops.fp8kv.plan_paged_attention's answer).
     workspace: a uint8 tensor of workspace_bytes on the cache's device, shared by the step's calls
         (they run one after another on one stream; calls on several streams at once need a plan each).
+        A CUDA graph that captured calls with the plan writes it at every replay: keep the plan as
+        long as the graph.
     """
 
     values: tuple[int, ...]
@@ -125,7 +127,8 @@ def plan_paged_attention(
     kernel: str = "auto",
 ) -> AttentionPlan:
     """The plan of a step's paged_attention calls over caches shaped like `layer`'s: once per step,
-    then given to each layer's call (`plan=`), which then neither plans nor allocates.
+    then given to each layer's call (`plan=`), which then allocates nothing and only checks the plan
+    against its own sizes.
 
     From sizes only (no tensor data is read): `layer`'s cache geometry and format, `block_tables`'
     shape, whether `cu_seqlens_q` is given (multi-token queries) or not (decode), the step's query
