@@ -5,15 +5,21 @@
 //   - fp8_decode / fp8_encode: every code round-trips (NaN to the canonical NaN, inf to the max);
 //   - fp16 and bf16: every code converts to the exactly computed float and back, and every midpoint
 //     between neighbouring codes rounds to the even one;
+//   - the CPU kernel's vector decode (cpu/cache_tile.h): every code of every cache format at every
+//     lane, in vectors of 4, 8 and 16, equals the scalar codec bit for bit; its tile loads, plain and
+//     transposed, equal element-by-element decoding for every count and head size up to 40;
 //   - nan_max over special values; visible_keys against a position-by-position definition;
 //   - dispatch and format_list.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <string>
 
 #include "../float_conversions.h"
 #include "../fp8.h"
 #include "../kernel_params.h"
+#include "../cpu/cache_tile.h"
 #include "expect.h"
 
 namespace fp8kv {
@@ -107,6 +113,78 @@ void check_half_overflow() {
   }
 }
 
+template <DType F>
+uint32_t scalar_bits(const uint8_t* element) {
+  return float_bits(cpu::decode_element<F>(element));
+}
+
+template <DType F, int W>
+void check_vector_decode(const char* name) {
+  constexpr int kBytes = dtype_bytes(F);
+  constexpr uint32_t kCodes = 1u << (8 * std::min(kBytes, 2));  // fp32: a sample of 65536 bit patterns
+  for (uint32_t start = 0; start < kCodes; ++start) {  // each code lands in every lane
+    typename cpu::Lanes<W>::Bits codes;
+    uint8_t elements[W][4];
+    for (int lane = 0; lane < W; ++lane) {
+      const uint32_t code = kBytes == 4 ? ((start + lane) % kCodes) * 0x9E3779B1u : (start + lane) % kCodes;
+      codes[lane] = code;
+      std::memcpy(elements[lane], &code, 4);  // little-endian: the code's bytes first
+    }
+    float got[W];
+    cpu::Simd<W>::store(got, cpu::decode_codes<F, W>(codes));
+    for (int lane = 0; lane < W; ++lane) {
+      if (float_bits(got[lane]) != scalar_bits<F>(elements[lane])) {
+        expect(false, std::string(name) + " decode_codes<" + std::to_string(W) + "> code " + hex(codes[lane]) +
+                          " lane " + std::to_string(lane));
+      }
+    }
+  }
+}
+
+// Tile loads of the rows of a scrambled table of codes, taken in a scrambled order from a byte offset,
+// over counts and head sizes around every vector width's block.
+template <DType F, int W>
+void check_tile_loads(const char* name) {
+  constexpr int kBytes = dtype_bytes(F), kRows = 40, kDims = 160, kOffset = 3, kStride = 192;
+  static uint8_t table[kRows][(kOffset + kDims) * kBytes];
+  for (int r = 0; r < kRows; ++r) {
+    for (int b = 0; b < (kOffset + kDims) * kBytes; ++b) table[r][b] = static_cast<uint8_t>((r * 131 + b * 29 + 7) % 251);
+  }
+  const uint8_t* rows[kRows];
+  for (int i = 0; i < kRows; ++i) rows[i] = table[(i * 17 + 5) % kRows];
+  static float plain[kRows * kStride], transposed[kDims * kStride];
+  const int counts[] = {0, 1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 20, 24, 31, 32, 33, 36, 40};
+  const int head_sizes[] = {1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 24, 28, 31, 32, 33, 40, 48, 60, 63, 64, 65,
+                            72, 80, 96, 100, 112, 127, 128, 129, 144, 160};
+  for (int count : counts) {
+    for (int head_size : head_sizes) {
+      const int64_t offset = kOffset * kBytes;
+      cpu::load_rows<F, W>(rows, offset, count, head_size, plain, kStride);
+      cpu::load_rows_transposed<F, W>(rows, offset, count, head_size, transposed, kStride);
+      bool same = true;
+      for (int i = 0; i < count; ++i) {
+        for (int d = 0; d < head_size; ++d) {
+          const uint32_t expected = scalar_bits<F>(rows[i] + offset + d * kBytes);
+          same = same && float_bits(plain[i * kStride + d]) == expected &&
+                 float_bits(transposed[d * kStride + i]) == expected;
+        }
+      }
+      expect(same, std::string(name) + " tile loads<" + std::to_string(W) + "> of " + std::to_string(count) +
+                       " rows x " + std::to_string(head_size));
+    }
+  }
+}
+
+template <DType F>
+void check_cpu_cache_loads(const char* name) {
+  check_vector_decode<F, 4>(name);
+  check_vector_decode<F, 8>(name);
+  check_vector_decode<F, 16>(name);
+  check_tile_loads<F, 4>(name);
+  check_tile_loads<F, 8>(name);
+  check_tile_loads<F, 16>(name);
+}
+
 void check_nan_max() {
   const float values[] = {std::nanf(""), -INFINITY, -1.0f, -0.0f, 0.0f, 1.0f, INFINITY};
   for (float a : values) {
@@ -163,6 +241,12 @@ int main() {
   check_fp8<DType::kFloat8E4M3FNUZ>("e4m3fnuz");
   check_16_bit();
   check_half_overflow();
+  check_cpu_cache_loads<DType::kFloat8E4M3FN>("e4m3fn");
+  check_cpu_cache_loads<DType::kFloat8E5M2>("e5m2");
+  check_cpu_cache_loads<DType::kFloat8E4M3FNUZ>("e4m3fnuz");
+  check_cpu_cache_loads<DType::kFloat16>("fp16");
+  check_cpu_cache_loads<DType::kBFloat16>("bf16");
+  check_cpu_cache_loads<DType::kFloat32>("fp32");
   check_nan_max();
   check_visible_keys();
   check_dispatch();

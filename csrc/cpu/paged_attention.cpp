@@ -18,6 +18,7 @@
 
 #include "../float_conversions.h"
 #include "../hadamard.h"
+#include "cache_tile.h"
 #include "dtype_dispatch.h"
 #include "kernels.h"
 #include "tile_math.h"
@@ -48,12 +49,22 @@ class Buffer {
   std::vector<Line> lines_;
 };
 
-// Cache positions [begin, end) of one KV head, dequantized without the scale (folded into the logits or
-// the output): element d of position begin + i goes to dst[i * token_stride + d * dim_stride]. A
-// transposing load (dim_stride > 1, the keys' K^T) walks dims outermost, so its stores are consecutive
-// and the tile's rows stay in L1 across the dims.
-void load_tile(const PagedAttentionParams& p, const CacheView& cache, const int32_t* block_table, int kv_head,
-               int begin, int end, float* dst, int64_t token_stride, int64_t dim_stride) {
+template <DType F, int W>
+FP8KV_ALWAYS_INLINE void load_tile_rows(const uint8_t* const* rows, int count, int head_size, float* dst,
+                                        int64_t row_stride, bool transposed) {
+  if (transposed) {
+    load_rows_transposed<F, W>(rows, 0, count, head_size, dst, row_stride);
+  } else {
+    load_rows<F, W>(rows, 0, count, head_size, dst, row_stride);
+  }
+}
+
+// Cache positions [begin, end) of one KV head as fp32, without the scale (folded into the logits or
+// the output): position begin + i's element d goes to dst[i * row_stride + d], or to
+// dst[d * row_stride + i] when transposed (the keys' K^T).
+template <int W>
+FP8KV_ALWAYS_INLINE void load_tile(const PagedAttentionParams& p, const CacheView& cache, const int32_t* block_table,
+                                   int kv_head, int begin, int end, float* dst, int64_t row_stride, bool transposed) {
   const int64_t elem_bytes = dtype_bytes(p.cache_dtype);
   const int count = end - begin;
   const uint8_t* rows[kKeyTile];
@@ -63,28 +74,15 @@ void load_tile(const PagedAttentionParams& p, const CacheView& cache, const int3
     rows[i] = static_cast<const uint8_t*>(cache.data) +
               (block * cache.block_stride + offset * cache.token_stride + kv_head * cache.head_stride) * elem_bytes;
   }
-  auto convert = [&](auto to_float) {
-    if (dim_stride == 1) {
-      for (int i = 0; i < count; ++i) {
-        float* out = dst + i * token_stride;
-        for (int d = 0; d < p.head_size; ++d) out[d] = to_float(rows[i], d);
-      }
-    } else {
-      for (int d = 0; d < p.head_size; ++d) {
-        float* out = dst + d * dim_stride;
-        for (int i = 0; i < count; ++i) out[i * token_stride] = to_float(rows[i], d);
-      }
-    }
-  };
-  if (is_fp8(p.cache_dtype)) {
-    const float* table = fp8_table(p.cache_dtype);
-    convert([table](const uint8_t* row, int d) { return table[row[d]]; });
-    return;
+  // A switch, not a dispatching lambda: a lambda is a function of its own, compiled for the baseline ISA.
+  switch (p.cache_dtype) {
+    case DType::kFloat8E4M3FN: return load_tile_rows<DType::kFloat8E4M3FN, W>(rows, count, p.head_size, dst, row_stride, transposed);
+    case DType::kFloat8E5M2: return load_tile_rows<DType::kFloat8E5M2, W>(rows, count, p.head_size, dst, row_stride, transposed);
+    case DType::kFloat8E4M3FNUZ: return load_tile_rows<DType::kFloat8E4M3FNUZ, W>(rows, count, p.head_size, dst, row_stride, transposed);
+    case DType::kFloat16: return load_tile_rows<DType::kFloat16, W>(rows, count, p.head_size, dst, row_stride, transposed);
+    case DType::kBFloat16: return load_tile_rows<DType::kBFloat16, W>(rows, count, p.head_size, dst, row_stride, transposed);
+    default: TORCH_CHECK(false, "fp8kv: unexpected cache dtype");
   }
-  dispatch_source_dtype(p.cache_dtype, [&](auto type) {
-    using T = Element<decltype(type)::value>;
-    convert([](const uint8_t* row, int d) { return T::to_float(reinterpret_cast<const typename T::Storage*>(row)[d]); });
-  });
 }
 
 struct WorkItem {
@@ -188,7 +186,7 @@ FP8KV_ALWAYS_INLINE void attend(const PagedAttentionParams& p, const RowsView& l
     const int count = std::min(kKeyTile, range_hi - start);
     const int first = std::max(range_lo, start) - start;  // no row sees the tile's positions before it
     const int cols = padded(count);
-    load_tile(p, p.key_cache, block_table, kv_head, start + first, start + count, keys + first, 1, kKeyTile);
+    load_tile<W>(p, p.key_cache, block_table, kv_head, start + first, start + count, keys + first, kKeyTile, true);
     for (int r = 0; r < rows; r += kProductRows) {
       product_rows<W, false>(std::min(kProductRows, rows - r), cols, 0, d_size, query + r * d_size, d_size, keys,
                              kKeyTile, logits + r * kKeyTile, kKeyTile);
@@ -220,7 +218,8 @@ FP8KV_ALWAYS_INLINE void attend(const PagedAttentionParams& p, const RowsView& l
     }
     // Only keys some row of a product block sees reach its product (other rows' weights there are 0):
     // a slot no row sees may hold NaN codes.
-    load_tile(p, p.value_cache, block_table, kv_head, start + first, start + count, values + first * dims, dims, 1);
+    load_tile<W>(p, p.value_cache, block_table, kv_head, start + first, start + count, values + first * dims, dims,
+                 false);
     for (int r = 0; r < rows; r += kProductRows) {
       const int n = std::min(kProductRows, rows - r);
       const int k_begin = *std::min_element(s.tile_lo.begin() + r, s.tile_lo.begin() + r + n);
