@@ -274,7 +274,7 @@ void attend_range_baseline(const PagedAttentionParams& p, const RowsView& lse, c
 
 #if defined(__x86_64__)
 template <DType kQuery>
-__attribute__((target("avx2"))) void attend_range_avx2(const PagedAttentionParams& p, const RowsView& lse,
+__attribute__((target("avx2,fma"))) void attend_range_avx2(const PagedAttentionParams& p, const RowsView& lse,
                                                        const std::vector<WorkItem>& items, int64_t begin, int64_t end) {
   attend_range<kQuery, 8>(p, lse, items, begin, end);
 }

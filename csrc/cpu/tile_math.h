@@ -31,7 +31,9 @@ struct Simd {
     return v;
   }
   static FP8KV_ALWAYS_INLINE void store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof v); }
-  static FP8KV_ALWAYS_INLINE Vec splat(float x) { return Vec{} + x; }
+  // x's bits added to integer zeros: a broadcast and nothing else (`Vec{} + x` adds 0.0f first, which
+  // may not be folded away: it turns -0 into +0).
+  static FP8KV_ALWAYS_INLINE Vec splat(float x) { return bit_cast<Vec>(Int{} + bit_cast<int32_t>(x)); }
   template <typename To, typename From>
   static FP8KV_ALWAYS_INLINE To bit_cast(const From& from) {
     static_assert(sizeof(To) == sizeof(From), "same size");
