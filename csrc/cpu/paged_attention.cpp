@@ -3,10 +3,11 @@
 // Work item: one sequence, one KV head and up to kQueryChunk of its query tokens; its rows are those
 // tokens times the KV head's group of query heads, so each cache tile is dequantized once for all of
 // them. Keys come in tiles of kKeyTile positions, at multiples of kKeyTile whatever the item, with an
-// online softmax: S = Q K^T and O += P V are register-blocked products (tile_math.h) in the widest
-// vectors torch uses on this CPU (AVX-512, AVX2, else the baseline ISA), chosen at run time. A row's
-// result does not depend on the item it is in (tile_math.h). Scratch memory is bounded by the tile
-// and the chunk, not by the sequence length. Items are split between threads by their cost.
+// online softmax: tiles are decoded to fp32 in vectors (cache_tile.h), S = Q K^T and O += P V are
+// register-blocked products in fused multiply-adds (tile_math.h; this file compiles with contraction)
+// in the widest vectors torch uses on this CPU (AVX-512, AVX2, else the baseline ISA), chosen at run
+// time. A row's result does not depend on the item it is in (tile_math.h). Scratch memory is bounded
+// by the tile and the chunk, not by the sequence length. Items are split between threads by their cost.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -59,21 +60,27 @@ FP8KV_ALWAYS_INLINE void load_tile_rows(const uint8_t* const* rows, int count, i
   }
 }
 
-// Cache positions [begin, end) of one KV head as fp32, without the scale (folded into the logits or
-// the output): position begin + i's element d goes to dst[i * row_stride + d], or to
-// dst[d * row_stride + i] when transposed (the keys' K^T).
-template <int W>
-FP8KV_ALWAYS_INLINE void load_tile(const PagedAttentionParams& p, const CacheView& cache, const int32_t* block_table,
-                                   int kv_head, int begin, int end, float* dst, int64_t row_stride, bool transposed) {
+// Where the rows of cache positions [begin, end) of one KV head start, a block-table entry per block.
+void tile_rows(const PagedAttentionParams& p, const CacheView& cache, const int32_t* block_table, int kv_head,
+               int begin, int end, const uint8_t** rows) {
   const int64_t elem_bytes = dtype_bytes(p.cache_dtype);
-  const int count = end - begin;
-  const uint8_t* rows[kKeyTile];
-  for (int i = 0; i < count; ++i) {
-    const int64_t block = block_table[(begin + i) / p.block_size];
-    const int64_t offset = (begin + i) % p.block_size;
-    rows[i] = static_cast<const uint8_t*>(cache.data) +
-              (block * cache.block_stride + offset * cache.token_stride + kv_head * cache.head_stride) * elem_bytes;
+  const auto* data = static_cast<const uint8_t*>(cache.data) + kv_head * cache.head_stride * elem_bytes;
+  for (int position = begin; position < end;) {
+    const int offset = position % p.block_size;
+    const int n = std::min(p.block_size - offset, end - position);
+    const uint8_t* row = data + (block_table[position / p.block_size] * cache.block_stride +
+                                 static_cast<int64_t>(offset) * cache.token_stride) * elem_bytes;
+    for (int j = 0; j < n; ++j) *rows++ = row + j * cache.token_stride * elem_bytes;
+    position += n;
   }
+}
+
+// `count` cached rows as fp32, without the scale (folded into the logits or the output): row i's
+// element d goes to dst[i * row_stride + d], or to dst[d * row_stride + i] when transposed (the keys'
+// K^T).
+template <int W>
+FP8KV_ALWAYS_INLINE void load_tile(const PagedAttentionParams& p, const uint8_t* const* rows, int count, float* dst,
+                                   int64_t row_stride, bool transposed) {
   // A switch, not a dispatching lambda: a lambda is a function of its own, compiled for the baseline ISA.
   switch (p.cache_dtype) {
     case DType::kFloat8E4M3FN: return load_tile_rows<DType::kFloat8E4M3FN, W>(rows, count, p.head_size, dst, row_stride, transposed);
@@ -181,12 +188,15 @@ FP8KV_ALWAYS_INLINE void attend(const PagedAttentionParams& p, const RowsView& l
   }
   const int range_lo = std::max(0, s.lo[0]);
   const int range_hi = std::max(0, s.hi[rows - 1]);
+  const uint8_t* rows_of_tile[kKeyTile];
 
   for (int start = range_lo / kKeyTile * kKeyTile; start < range_hi; start += kKeyTile) {
     const int count = std::min(kKeyTile, range_hi - start);
     const int first = std::max(range_lo, start) - start;  // no row sees the tile's positions before it
     const int cols = padded(count);
-    load_tile<W>(p, p.key_cache, block_table, kv_head, start + first, start + count, keys + first, kKeyTile, true);
+    const int tile_begin = start + first, tile_count = count - first;
+    tile_rows(p, p.key_cache, block_table, kv_head, tile_begin, start + count, rows_of_tile);
+    load_tile<W>(p, rows_of_tile, tile_count, keys + first, kKeyTile, true);
     for (int r = 0; r < rows; r += kProductRows) {
       product_rows<W, false>(std::min(kProductRows, rows - r), cols, 0, d_size, query + r * d_size, d_size, keys,
                              kKeyTile, logits + r * kKeyTile, kKeyTile);
@@ -218,8 +228,8 @@ FP8KV_ALWAYS_INLINE void attend(const PagedAttentionParams& p, const RowsView& l
     }
     // Only keys some row of a product block sees reach its product (other rows' weights there are 0):
     // a slot no row sees may hold NaN codes.
-    load_tile<W>(p, p.value_cache, block_table, kv_head, start + first, start + count, values + first * dims, dims,
-                 false);
+    tile_rows(p, p.value_cache, block_table, kv_head, tile_begin, start + count, rows_of_tile);
+    load_tile<W>(p, rows_of_tile, tile_count, values + first * dims, dims, false);
     for (int r = 0; r < rows; r += kProductRows) {
       const int n = std::min(kProductRows, rows - r);
       const int k_begin = *std::min_element(s.tile_lo.begin() + r, s.tile_lo.begin() + r + n);
