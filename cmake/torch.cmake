@@ -1,12 +1,13 @@
 # The installed torch, read off the Python that builds: TORCH_DIR, TORCH_CXX11_ABI, TORCH_CUDA_VERSION,
-# TORCH_HIP_VERSION, TORCH_RUNTIME_LIBSTDCXX (the libstdc++ the process loads), TORCH_CXX_STANDARD.
+# TORCH_HIP_VERSION, TORCH_RUNTIME_LIBSTDCXX (the libstdc++ the process loads), TORCH_RUNTIME_OPENMP (the
+# OpenMP runtime torch loads, empty without one), TORCH_CXX_STANDARD.
 # Included by CMakeLists.txt (and by the toolchain test's project); sets CMAKE_CXX_STANDARD.
 # Build against the torch that is installed in the running Python: its headers, its libraries, its
 # C++ ABI. Nothing is downloaded.
 find_package(Python REQUIRED COMPONENTS Interpreter)
 execute_process(
   COMMAND "${Python_EXECUTABLE}" -c
-    "import os, torch; print(os.path.dirname(torch.__file__)); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(torch.version.cuda or ''); print(torch.version.hip or ''); print(next((os.path.realpath(l.split()[-1]) for l in open('/proc/self/maps') if 'libstdc++' in l), '')); print(20 if tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]) >= (2, 13) else 17)"
+    "import os, torch; print(os.path.dirname(torch.__file__)); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(torch.version.cuda or ''); print(torch.version.hip or ''); print(next((os.path.realpath(l.split()[-1]) for l in open('/proc/self/maps') if 'libstdc++' in l), '')); print(next((os.path.realpath(l.split()[-1]) for l in open('/proc/self/maps') if any(n in l for n in ('libgomp', 'libomp', 'libiomp'))), '')); print(20 if tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]) >= (2, 13) else 17)"
   OUTPUT_VARIABLE _torch_info OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _torch_status)
 if(NOT _torch_status EQUAL 0)
   # pip (by default), build and uv build in a fresh environment of their own, which cannot see the
@@ -34,7 +35,8 @@ endif()
 if(_n GREATER 3)
   list(GET _torch_info 3 TORCH_HIP_VERSION)
 endif()
-list(GET _torch_info -2 TORCH_RUNTIME_LIBSTDCXX)
+list(GET _torch_info -3 TORCH_RUNTIME_LIBSTDCXX)
+list(GET _torch_info -2 TORCH_RUNTIME_OPENMP)
 list(GET _torch_info -1 TORCH_CXX_STANDARD)
 message(STATUS "fp8kv: torch at ${TORCH_DIR} (CUDA '${TORCH_CUDA_VERSION}', HIP '${TORCH_HIP_VERSION}', C++${TORCH_CXX_STANDARD})")
 

@@ -267,7 +267,9 @@ FP8KV_ALWAYS_INLINE void attend(const PagedAttentionParams& p, const RowsView& l
 template <DType kQuery, int W>
 FP8KV_ALWAYS_INLINE void attend_range(const PagedAttentionParams& p, const RowsView& lse,
                                       const std::vector<WorkItem>& items, int64_t begin, int64_t end) {
-  Scratch scratch;
+  // Kept by each thread across calls: a decode step's call is short, and fresh scratch of a few hundred
+  // KiB per thread per call is page faults.
+  static thread_local Scratch scratch;
   for (int64_t w = begin; w < end; ++w) {
     attend<kQuery, W>(p, lse, items[w / p.num_kv_heads], static_cast<int>(w % p.num_kv_heads), scratch);
   }

@@ -51,6 +51,19 @@ def test_library_links_the_shared_cpp_runtime():
     assert not private, f"{lib} carries its own copy of the C++ runtime ({', '.join(private)})"
 
 
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils")
+@pytest.mark.skipif("parallel backend: OpenMP" not in torch.__config__.parallel_info(),
+                    reason="torch splits work without OpenMP")
+def test_cpu_kernels_split_work_with_torchs_openmp():
+    """at::parallel_for is OpenMP pragmas compiled into the library: built without OpenMP, every CPU
+    call ran on one thread whatever torch.set_num_threads said. The library calls the OpenMP runtime."""
+    lib = _library_path()
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", str(lib)], capture_output=True, text=True,
+                               check=True).stdout.split()
+    assert any(s.startswith(("GOMP_parallel", "__kmpc_fork_call")) for s in undefined), \
+        f"{lib} starts no OpenMP parallel region"
+
+
 # ----------------------------------------------------------------------------- configure-time proof
 
 PROBE_CALL = """

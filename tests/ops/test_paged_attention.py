@@ -196,8 +196,9 @@ def test_seq_len_zero_rows_are_zero(device, query_dtype):
 @pytest.mark.parametrize("window", [-1, 100])
 def test_cpu_rows_do_not_depend_on_the_rows_computed_with_them(window):
     """On the CPU a query row's output is the same bits whatever else the call computes: a 300-token
-    prompt (two key tiles) prefilled whole next to another sequence, alone, in chunks, or token by
-    token as decode rows. Continuous batching gives a request the bits it gets alone because of it."""
+    prompt (two key tiles) prefilled whole next to another sequence, alone (on 1, 2 and 3 threads), in
+    chunks, or token by token as decode rows. Continuous batching gives a request the bits it gets alone
+    because of it."""
     inputs = make_paged_attention_inputs(
         seq_lens=[300, 77], q_lens=[300, 77], num_heads=6, num_kv_heads=NUM_KV_HEADS, head_size=64, block_size=16,
         cache_format="e4m3fn", query_dtype=torch.bfloat16, per_head_scales=True, sliding_window=window, seed=7)
@@ -213,7 +214,13 @@ def test_cpu_rows_do_not_depend_on_the_rows_computed_with_them(window):
                                         inputs.softmax_scale, inputs.k_scale, inputs.v_scale, window)
         return out
 
-    assert torch.equal(prompt_rows(0, 300), whole)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(prompt_rows(0, 300), whole), n
+    finally:
+        torch.set_num_threads(threads)
     assert torch.equal(torch.cat([prompt_rows(0, 100), prompt_rows(100, 290), prompt_rows(290, 300)]), whole)
     for token in (0, 150, 255, 256, 299):
         assert torch.equal(prompt_rows(token, token + 1, decode=True), whole[token:token + 1]), token
