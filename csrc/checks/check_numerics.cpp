@@ -148,7 +148,9 @@ void check_tile_loads(const char* name) {
   constexpr int kBytes = dtype_bytes(F), kRows = 40, kDims = 160, kOffset = 3, kStride = 192;
   static uint8_t table[kRows][(kOffset + kDims) * kBytes];
   for (int r = 0; r < kRows; ++r) {
-    for (int b = 0; b < (kOffset + kDims) * kBytes; ++b) table[r][b] = static_cast<uint8_t>((r * 131 + b * 29 + 7) % 251);
+    for (int b = 0; b < (kOffset + kDims) * kBytes; ++b) {
+      table[r][b] = static_cast<uint8_t>((r * 131 + b * 29 + 7) % 251);
+    }
   }
   const uint8_t* rows[kRows];
   for (int i = 0; i < kRows; ++i) rows[i] = table[(i * 17 + 5) % kRows];

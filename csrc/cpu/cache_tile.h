@@ -18,7 +18,7 @@
 
 namespace fp8kv::cpu {
 
-// W float32 lanes of bits.
+// W 32-bit lanes.
 template <int W>
 struct Lanes {
   // typedef in a class: GCC drops a vector_size that depends on a template parameter from a typedef in
@@ -166,12 +166,14 @@ FP8KV_ALWAYS_INLINE void load_rows(const uint8_t* const* rows, int64_t offset, i
     }
   }
   if (vector_dims == dims) return;
-  const int64_t rest = offset + vector_dims * kBytes;
   if constexpr (W > 4) {
-    load_rows<F, W / 2>(rows, rest, count, dims - vector_dims, dst + vector_dims, row_stride);
+    load_rows<F, W / 2>(rows, offset + vector_dims * kBytes, count, dims - vector_dims, dst + vector_dims,
+                        row_stride);
   } else {
     for (int i = 0; i < count; ++i) {
-      for (int d = 0; d < dims - vector_dims; ++d) dst[i * row_stride + vector_dims + d] = decode_element<F>(rows[i] + rest + d * kBytes);
+      for (int d = vector_dims; d < dims; ++d) {
+        dst[i * row_stride + d] = decode_element<F>(rows[i] + offset + d * kBytes);
+      }
     }
   }
 }
@@ -190,7 +192,9 @@ FP8KV_ALWAYS_INLINE void load_rows_transposed(const uint8_t* const* rows, int64_
     for (int d = 0; d < vector_dims; d += kGroup) {
       for (int b = 0; b < kParts; ++b) {
         typename Simd<W>::Vec block[W];
-        for (int k = 0; k < W; ++k) block[k] = decode_codes<F, W>(unpack<F, W>(load_lanes<W>(rows[i + k] + offset + d * kBytes), b));
+        for (int k = 0; k < W; ++k) {
+          block[k] = decode_codes<F, W>(unpack<F, W>(load_lanes<W>(rows[i + k] + offset + d * kBytes), b));
+        }
         transpose<W>(block);  // block[l]: element kParts * l + b of rows i .. i + W
         for (int l = 0; l < W; ++l) Simd<W>::store(dst + (d + kParts * l + b) * dim_stride + i, block[l]);
       }
@@ -211,7 +215,9 @@ FP8KV_ALWAYS_INLINE void load_rows_transposed(const uint8_t* const* rows, int64_
       for (int i = 0; i < vector_rows; ++i) dst[d * dim_stride + i] = decode_element<F>(rows[i] + offset + d * kBytes);
     }
     for (int d = 0; d < dims; ++d) {
-      for (int i = vector_rows; i < count; ++i) dst[d * dim_stride + i] = decode_element<F>(rows[i] + offset + d * kBytes);
+      for (int i = vector_rows; i < count; ++i) {
+        dst[d * dim_stride + i] = decode_element<F>(rows[i] + offset + d * kBytes);
+      }
     }
   }
 }

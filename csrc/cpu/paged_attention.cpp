@@ -83,11 +83,16 @@ FP8KV_ALWAYS_INLINE void load_tile(const PagedAttentionParams& p, const uint8_t*
                                    int64_t row_stride, bool transposed) {
   // A switch, not a dispatching lambda: a lambda is a function of its own, compiled for the baseline ISA.
   switch (p.cache_dtype) {
-    case DType::kFloat8E4M3FN: return load_tile_rows<DType::kFloat8E4M3FN, W>(rows, count, p.head_size, dst, row_stride, transposed);
-    case DType::kFloat8E5M2: return load_tile_rows<DType::kFloat8E5M2, W>(rows, count, p.head_size, dst, row_stride, transposed);
-    case DType::kFloat8E4M3FNUZ: return load_tile_rows<DType::kFloat8E4M3FNUZ, W>(rows, count, p.head_size, dst, row_stride, transposed);
-    case DType::kFloat16: return load_tile_rows<DType::kFloat16, W>(rows, count, p.head_size, dst, row_stride, transposed);
-    case DType::kBFloat16: return load_tile_rows<DType::kBFloat16, W>(rows, count, p.head_size, dst, row_stride, transposed);
+    case DType::kFloat8E4M3FN:
+      return load_tile_rows<DType::kFloat8E4M3FN, W>(rows, count, p.head_size, dst, row_stride, transposed);
+    case DType::kFloat8E5M2:
+      return load_tile_rows<DType::kFloat8E5M2, W>(rows, count, p.head_size, dst, row_stride, transposed);
+    case DType::kFloat8E4M3FNUZ:
+      return load_tile_rows<DType::kFloat8E4M3FNUZ, W>(rows, count, p.head_size, dst, row_stride, transposed);
+    case DType::kFloat16:
+      return load_tile_rows<DType::kFloat16, W>(rows, count, p.head_size, dst, row_stride, transposed);
+    case DType::kBFloat16:
+      return load_tile_rows<DType::kBFloat16, W>(rows, count, p.head_size, dst, row_stride, transposed);
     default: TORCH_CHECK(false, "fp8kv: unexpected cache dtype");
   }
 }
