@@ -465,7 +465,8 @@ PagedAttentionParams plan_params(const at::Tensor& key_cache, const at::Tensor& 
 }
 
 void check_plan(const char* op, c10::IntArrayRef plan, const std::vector<int64_t>& expected) {
-  TORCH_CHECK(std::equal(plan.begin(), plan.end(), expected.begin(), expected.end()), op, ": `plan` ", plan, " is not this call's plan ", c10::IntArrayRef(expected),
+  TORCH_CHECK(std::equal(plan.begin(), plan.end(), expected.begin(), expected.end()), op, ": `plan` ", plan,
+              " is not this call's plan ", c10::IntArrayRef(expected),
               ": it was made for other sizes, another device, `lse`, `fp8_math` or `sliding_window` (plan each step's "
               "calls with fp8kv.plan_paged_attention for their sizes)");
 }

@@ -12,16 +12,14 @@
 
 namespace fp8kv {
 
-// What a backend's run reads besides the validated operands.
+// What a backend's run reads besides the validated operands (whose params hold the window and
+// fp8_math, and whose lse view is set when the call writes the log-sum-exp).
 struct PagedAttentionCall {
   const at::Tensor& query;
   const at::Tensor& key_cache;
   const at::Tensor& block_tables;
   const at::Tensor& seq_lens;
   const std::optional<at::Tensor>& cu_seqlens_q;
-  int64_t sliding_window;
-  bool fp8_math;
-  bool lse;
   at::OptionalIntArrayRef plan;
   const std::optional<at::Tensor>& workspace;
 };
@@ -37,8 +35,7 @@ void paged_attention_kernel(at::Tensor& out, const at::Tensor& query, const at::
   const PagedAttentionOperands operands = paged_attention_params(
       out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale, k_scale, v_scale,
       sliding_window, logits_soft_cap, hadamard, k_offset, fp8_math, lse);
-  Run(operands, PagedAttentionCall{query, key_cache, block_tables, seq_lens, cu_seqlens_q, sliding_window, fp8_math,
-                                   lse.has_value(), plan, workspace});
+  Run(operands, PagedAttentionCall{query, key_cache, block_tables, seq_lens, cu_seqlens_q, plan, workspace});
 }
 
 }  // namespace fp8kv

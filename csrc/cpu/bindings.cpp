@@ -45,11 +45,11 @@ std::vector<int64_t> plan_paged_attention_cpu(const at::Tensor& key_cache, const
 
 void run_paged_attention(const PagedAttentionOperands& operands, const PagedAttentionCall& call) {
   constexpr const char* op = "fp8kv.paged_attention";
-  refuse_fp8_math(op, call.fp8_math);
+  refuse_fp8_math(op, operands.params.fp8_math);
   if (call.plan.has_value()) check_plan(op, *call.plan, kCpuPlan);
   if (call.workspace.has_value()) checked_workspace(op, *call.workspace, 0, call.query);
   check_paged_attention_indices(call.block_tables, call.seq_lens, call.cu_seqlens_q, call.query.size(0),
-                                call.key_cache.size(1), call.key_cache.size(0), call.sliding_window);
+                                call.key_cache.size(1), call.key_cache.size(0), operands.params.sliding_window);
   cpu::paged_attention(operands.params, operands.lse);
 }
 

@@ -76,13 +76,13 @@ void run_paged_attention(const PagedAttentionOperands& operands, const PagedAtte
   TORCH_CHECK(unsupported.empty(), op, ": on ", gpu::kBackend, ", ", unsupported);
   if (debug_checks_enabled()) {
     check_paged_attention_indices(call.block_tables, call.seq_lens, call.cu_seqlens_q, call.query.size(0),
-                                  call.key_cache.size(1), call.key_cache.size(0), call.sliding_window);
+                                  call.key_cache.size(1), call.key_cache.size(0), p.sliding_window);
   }
   const c10::DeviceGuard guard(call.query.device());
   // A given plan is checked against this call's own (host arithmetic on cached device facts): a plan
   // made for other sizes would size the grid and the workspace wrongly.
   gpu::AttentionPlan planned{};
-  check_launch(op, gpu::plan_paged_attention(p, call.lse, request, &planned));
+  check_launch(op, gpu::plan_paged_attention(p, operands.lse.data != nullptr, request, &planned));
   if (call.plan.has_value()) check_plan(op, *call.plan, gpu::plan_values(planned));
   at::Tensor allocated;
   void* workspace = nullptr;
